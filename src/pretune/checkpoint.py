@@ -1,0 +1,146 @@
+"""Checkpoint folders: ``config.json`` + ``model.safetensors`` (+ ``tokenizer.json``).
+
+Writes are atomic (a temporary folder renamed into place), loads are strict: a missing,
+unexpected or mis-shaped tensor, a corrupt file or an unknown config key is an error naming it.
+Weights are never unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import ConfigError, ModelConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+TOKENIZER_NAME = "tokenizer.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder cannot be loaded; the message names the file and tensor/key."""
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict with each shared tensor once, under its first name (tied embeddings,
+    shared encoder-decoder blocks are stored once; the model re-ties them when built)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t.detach()
+    return out
+
+
+def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+    """Copy ``tensors`` into ``model`` strictly: every expected tensor present, none unexpected,
+    shapes equal. Raises CheckpointError naming the offending tensor and ``source``."""
+    expected = unique_state(model)
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} not in the model"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for k, t in expected.items():
+        if tuple(tensors[k].shape) != tuple(t.shape):
+            raise CheckpointError(f"{source}: tensor {k!r} has shape {tuple(tensors[k].shape)}, "
+                                  f"the model expects {tuple(t.shape)}")
+    with torch.no_grad():
+        for k, t in expected.items():
+            t.copy_(tensors[k])
+
+
+def atomic_folder(path: str | os.PathLike):
+    """Context manager: yields a temporary folder beside ``path`` that replaces ``path`` on success
+    and is removed on failure, so a crash never leaves a half-written checkpoint."""
+    return _AtomicFolder(Path(path))
+
+
+class _AtomicFolder:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+            os.replace(self.path, old)
+        os.replace(self.tmp, self.path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None) -> Path:
+    """Write ``model`` (a TransformerLM) to the folder ``path`` atomically.
+
+    Args:
+        model: the model; its ``config`` is saved as config.json.
+        path: destination folder (replaced if it exists).
+        tokenizer: optional ``tokenizers.Tokenizer`` or path to a tokenizer.json to copy beside it.
+    """
+    path = Path(path)
+    with atomic_folder(path) as tmp:
+        model.config.save(tmp / CONFIG_NAME)
+        tensors = {k: v.contiguous().cpu() for k, v in unique_state(model).items()}
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "library": "pretune"})
+        if tokenizer is not None:
+            if isinstance(tokenizer, (str, os.PathLike)):
+                shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+            else:
+                tokenizer.save(str(tmp / TOKENIZER_NAME))
+    return path
+
+
+def read_weights(file: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a safetensors file; a truncated or corrupt file raises CheckpointError naming it."""
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: weights file not found")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load a checkpoint folder written by ``save`` (config.json + model.safetensors).
+
+    Returns the TransformerLM in eval mode. Raises ConfigError/CheckpointError naming what is wrong.
+    """
+    from .model import TransformerLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder (expected {CONFIG_NAME} and {WEIGHTS_NAME})")
+    if not (path / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{path}: missing {CONFIG_NAME}")
+    config = ModelConfig.load(path / CONFIG_NAME)
+    tensors = read_weights(path / WEIGHTS_NAME)
+    model = TransformerLM(config)
+    load_state(model, tensors, source=str(path / WEIGHTS_NAME))
+    model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+__all__ = ["save", "load", "CheckpointError", "ConfigError", "unique_state", "load_state", "atomic_folder"]

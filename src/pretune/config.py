@@ -1,0 +1,211 @@
+"""Model configuration: one typed dataclass, validated, serialisable to JSON.
+
+No torch import here: configs are read by the CLI (``pretune show``) before any model exists.
+Every choice is a ``Literal``; the model code turns each one into a single dict lookup
+(``NORMS[cfg.norm]``, ``FFNS[cfg.ffn]``, ``POSITIONS[cfg.position]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Arch = Literal["encoder", "decoder", "encoder-decoder"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPlacement = Literal["pre", "post"]
+Position = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
+Ffn = Literal[
+    "relu", "gelu", "gelu_tanh", "swish",  # original FFN: act(x W1 + b1) W2 + b2
+    "glu", "bilinear", "reglu", "geglu", "geglu_tanh", "swiglu",  # gated: (act(xW) * xV) W2
+]
+Head = Literal["none", "lm", "mlm"]
+HeadAct = Literal["relu", "gelu", "gelu_tanh", "swish"]
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names it and what was expected."""
+
+
+@dataclass
+class ModelConfig:
+    """Every architectural choice of a pretune transformer. Presets live in ``presets.py``."""
+
+    # --- family -------------------------------------------------------------------------------
+    arch: Arch = "encoder"  # encoder: BERT (bidirectional); decoder: GPT (causal); encoder-decoder: T5/BART
+    vocab_size: int = 30522  # rows of the token embedding
+    dim: int = 768  # model (residual stream) width
+    n_layers: int = 12  # blocks in the encoder, or in the decoder of a decoder-only model
+    n_decoder_layers: int | None = None  # encoder-decoder only: decoder blocks (None: same as n_layers)
+    n_heads: int = 12  # attention heads (query heads under GQA)
+    n_kv_heads: int | None = None  # key/value heads; < n_heads is grouped-query attention (None: n_heads)
+    head_dim: int | None = None  # per-head width (None: dim // n_heads); T5 may set it independently
+    ffn_dim: int = 3072  # inner width of the feed-forward block
+    max_seq_len: int = 512  # longest sequence; bounds learned/sinusoidal position tables
+
+    # --- block --------------------------------------------------------------------------------
+    ffn: Ffn = "gelu"  # FFN variant; gated ones (glu, swiglu, ...) have two input projections
+    norm: Norm = "layernorm"  # layernorm (BERT, GPT-2) or rmsnorm (T5, Llama): no mean, no bias
+    norm_eps: float = 1e-12  # epsilon inside the norm
+    norm_placement: NormPlacement = "post"  # post: x = norm(x + f(x)) (BERT); pre: x = x + f(norm(x)) (GPT-2, T5, Llama)
+    bias: bool = True  # biases in attention/FFN linears (BERT, GPT-2); False for T5, Llama
+    norm_bias: bool = True  # LayerNorm has a bias (ignored for rmsnorm, which never has one)
+    attn_scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds the scale into its init and uses 1.0
+    embed_norm: bool = True  # norm after the embedding sum (BERT); pre-norm models use a final norm instead
+    dropout: float = 0.1  # dropout on embeddings, attention output and FFN output
+    attn_dropout: float = 0.1  # dropout on attention probabilities
+
+    # --- positions ----------------------------------------------------------------------------
+    position: Position = "learned"  # how order enters the model (see model/position.py)
+    position_offset: int = 0  # learned: first position id (RoBERTa starts at padding_idx + 1 = 2)
+    rope_base: float = 10000.0  # RoPE: theta_j = base^(-2(j-1)/d)
+    relative_buckets: int = 32  # T5 relative bias: number of buckets
+    relative_max_distance: int = 128  # T5 relative bias: distances beyond this share the last bucket
+
+    # --- embeddings and heads -----------------------------------------------------------------
+    token_types: int = 2  # segment (token-type) embeddings, 0 for none (BERT uses 2)
+    embed_dim: int | None = None  # ALBERT factorised embeddings: vocab x embed_dim then embed_dim x dim
+    tie_embeddings: bool = True  # output projection shares the token embedding matrix
+    tied_logit_scale: bool = False  # T5 v1.0: scale hidden states by dim**-0.5 before a tied LM head
+    share_layers: bool = False  # ALBERT cross-layer sharing: one block's weights used n_layers times
+    share_encoder_decoder: bool = False  # T5 "enc-dec, shared": decoder reuses encoder attention/FFN weights
+    head: Head = "mlm"  # mlm: BERT transform + tied decoder with bias; lm: plain linear; none: body only
+    head_act: HeadAct = "gelu"  # activation inside the MLM head transform
+    pooler: bool = False  # BERT pooler (dense + tanh on [CLS]), kept when importing checkpoints that have one
+    pad_token_id: int = 0  # padding token (used by importers and by decoder start for encoder-decoders)
+    decoder_start_token_id: int = 0  # first decoder input of an encoder-decoder (T5: the pad token)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers or self.n_layers
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.embed_dim or self.dim
+
+    @property
+    def final_norm(self) -> bool:
+        """Pre-norm stacks end with a norm (GPT-2 ln_f, T5 final_layer_norm); post-norm ones do not."""
+        return self.norm_placement == "pre"
+
+    @property
+    def gated_ffn(self) -> bool:
+        return self.ffn in ("glu", "bilinear", "reglu", "geglu", "geglu_tanh", "swiglu")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every Literal field and every cross-field constraint; raise ConfigError."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        positive = ["vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ConfigError(f"n_heads ({self.n_heads}) must divide dim ({self.dim}) unless head_dim is set")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.position == "rope" and self.dh % 2:
+            raise ConfigError(f"rope needs an even head_dim, got {self.dh}")
+        if self.position == "sinusoidal" and self.embedding_dim % 2:
+            raise ConfigError(f"sinusoidal positions need an even embedding width, got {self.embedding_dim}")
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.arch != "encoder-decoder":
+            for name in ("n_decoder_layers", "share_encoder_decoder"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} applies to arch='encoder-decoder' only, got arch={self.arch!r}")
+        if self.head == "mlm" and self.arch != "encoder":
+            raise ConfigError(f"head='mlm' needs arch='encoder' (got {self.arch!r}); use head='lm'")
+        if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):
+            raise ConfigError("share_encoder_decoder needs n_decoder_layers equal to n_layers")
+
+    # ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "ModelConfig":
+        """Build a config from a mapping; unknown keys raise ConfigError naming the nearest valid key."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in valid:
+                raise ConfigError(f"{source}: unknown config key {key!r}{_did_you_mean(key, valid)}")
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated, unknown keys rejected)."""
+        merged = self.to_dict()
+        merged.update(overrides)
+        return type(self).from_dict(merged, source="overrides")
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump({"pretune_version": 1, **self.to_dict()}, f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ModelConfig":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        if isinstance(data, dict):
+            data.pop("pretune_version", None)
+        return cls.from_dict(data, source=str(path))
+
+
+def _did_you_mean(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """Validate one field against its annotation (Literal, int, float, bool, Optional)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1, cutoff=0.4)
+            hint_txt = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{name}={value!r} is not one of {list(args)}{hint_txt}")
+        return
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(name, value, inner[0])
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(f"{name}={value!r} should be of type {hint.__name__}")

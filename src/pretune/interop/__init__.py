@@ -1,0 +1,203 @@
+"""Import from / export to Hugging Face ``transformers`` folders.
+
+One file per family holds everything family-specific: how its config maps to ModelConfig and a
+template table mapping its weight names to ours (``"h.{}.ln_1" <-> "transformer.decoder.layers.{}.attn_norm"``).
+This file holds the engine: read/write folders, apply a table in either direction, refuse
+anything unmapped instead of silently dropping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from types import ModuleType
+from typing import Iterable
+
+import torch
+from safetensors.torch import save_file
+
+from ..checkpoint import CheckpointError, atomic_folder, load_state, read_weights, unique_state
+from ..config import ModelConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "vocab.json", "merges.txt", "spiece.model")
+
+
+class InteropError(ValueError):
+    """A Hugging Face folder cannot be converted; the message names the file, key or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# template tables
+# ---------------------------------------------------------------------------------------------
+Table = list[tuple[str, str]]  # (hf_template, ours_template); "{}" stands for a layer index
+
+
+def _compile(template: str) -> re.Pattern:
+    pattern = re.escape(template).replace(r"\{\}", r"(\d+)")
+    if template.endswith((".weight", ".bias")):
+        return re.compile(pattern + "$")
+    return re.compile(pattern + r"\.(weight|bias)$")  # a module prefix: both of its tensors
+
+
+def rename(tensors: dict[str, torch.Tensor], table: Table, *, reverse: bool = False,
+           ignore: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """Rename every tensor through ``table`` (hf -> ours, or ours -> hf when ``reverse``).
+
+    Names matching an ``ignore`` regex are dropped (documented redundancies such as tied copies);
+    any other name no template matches raises InteropError naming it.
+    """
+    pairs = [(b, a) if reverse else (a, b) for a, b in table]
+    compiled = [(_compile(src), src, dst) for src, dst in pairs]
+    ignored = [re.compile(p) for p in ignore]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if any(rx.search(name) for rx in ignored):
+            continue
+        for rx, src, dst in compiled:
+            m = rx.match(name)
+            if m is None:
+                continue
+            groups = list(m.groups())
+            suffix = "" if src.endswith((".weight", ".bias")) else "." + groups.pop()
+            new = dst
+            for g in groups:
+                new = new.replace("{}", g, 1)
+            out[new + suffix] = t
+            break
+        else:
+            raise InteropError(f"no mapping for tensor {name!r}")
+    return out
+
+
+def mismatch(cfg: ModelConfig, **expected) -> str | None:
+    """The first config field whose value differs from ``expected``, as a sentence (or None)."""
+    for key, value in expected.items():
+        if getattr(cfg, key) != value:
+            return f"needs {key}={value!r}, got {getattr(cfg, key)!r}"
+    return None
+
+
+def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# families
+# ---------------------------------------------------------------------------------------------
+def _families() -> dict[str, ModuleType]:
+    from . import bert, gpt2, llama, t5
+
+    out = {}
+    for mod in (bert, gpt2, t5, llama):
+        for model_type in mod.MODEL_TYPES:
+            out[model_type] = mod
+    return out
+
+
+def family_of(model_type: str) -> ModuleType:
+    fams = _families()
+    if model_type not in fams:
+        raise InteropError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(fams))}")
+    return fams[model_type]
+
+
+def read_hf_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise InteropError(f"{path}: no config.json (is this a Hugging Face model folder?)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise InteropError(f"{file}: not valid JSON (line {e.lineno}: {e.msg})") from None
+
+
+def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder: model.safetensors, a sharded index, or pytorch_model.bin
+    (read with ``torch.load(weights_only=True)``: tensors only, nothing unpickled beyond that)."""
+    if (path / "model.safetensors").is_file():
+        return read_weights(path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            tensors.update(read_weights(path / shard))
+        return tensors
+    if (path / "pytorch_model.bin").is_file():
+        try:
+            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - report any unpickling refusal with the file name
+            raise CheckpointError(f"{path / 'pytorch_model.bin'}: cannot be read safely ({e})") from None
+    raise InteropError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
+    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama).
+
+    Returns a TransformerLM in eval mode whose outputs equal the transformers model's.
+    """
+    from ..model import TransformerLM
+
+    path = Path(path)
+    hf_config = read_hf_config(path)
+    model_type = hf_config.get("model_type")
+    if model_type is None:
+        raise InteropError(f"{path / 'config.json'}: no 'model_type' key")
+    fam = family_of(model_type)
+    tensors = read_hf_weights(path)
+    tensors = {k: v.float() if v.is_floating_point() and v.dtype != torch.float32 and dtype is None else v
+               for k, v in tensors.items()}
+    try:
+        config = fam.config_from_hf(hf_config, set(tensors))
+        ours = fam.weights_from_hf(tensors, config)
+    except InteropError as e:
+        raise InteropError(f"{path}: {e}") from None
+    model = TransformerLM(config)
+    load_state(model, ours, source=f"{path} (converted from {model_type})")
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def to_hf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Export a TransformerLM to a folder ``transformers.AutoModel*.from_pretrained`` loads.
+
+    The family is chosen from the config (which must match one HF supports exactly);
+    tokenizer files are copied from ``tokenizer_dir`` when given.
+    """
+    cfg: ModelConfig = model.config
+    fam = _family_for_config(cfg)
+    hf_config = fam.config_to_hf(cfg)
+    ours = unique_state(model)
+    hf_tensors = fam.weights_to_hf(ours, cfg)
+    path = Path(path)
+    with atomic_folder(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_file({k: v.contiguous().cpu() for k, v in hf_tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+    return path
+
+
+def _family_for_config(cfg: ModelConfig) -> ModuleType:
+    reasons = []
+    seen = set()
+    for fam in _families().values():
+        if fam in seen:
+            continue
+        seen.add(fam)
+        why = fam.export_mismatch(cfg)
+        if why is None:
+            return fam
+        reasons.append(f"{fam.__name__.rsplit('.', 1)[-1]}: {why}")
+    raise InteropError("this config has no Hugging Face equivalent; " + "; ".join(reasons))
+
+
+__all__ = ["from_hf", "to_hf", "InteropError", "rename"]

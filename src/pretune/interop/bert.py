@@ -1,0 +1,126 @@
+"""BERT and RoBERTa (BertModel/BertForMaskedLM, RobertaModel/RobertaForMaskedLM).
+
+Quirks: post-norm; RoBERTa position ids start at padding_idx + 1 (position_offset) and its
+MLM head is called lm_head; the MLM decoder weight is tied to the word embeddings and its
+bias is the same tensor as cls.predictions.bias.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from . import InteropError, mismatch, rename, strip_prefix
+
+MODEL_TYPES = ("bert", "roberta")
+
+ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+        "silu": "swish", "swish": "swish"}
+
+_BODY = [
+    ("embeddings.word_embeddings.weight", "transformer.embed.weight"),
+    ("embeddings.position_embeddings.weight", "transformer.encoder.position.weight"),
+    ("embeddings.token_type_embeddings.weight", "transformer.encoder.token_type.weight"),
+    ("embeddings.LayerNorm", "transformer.encoder.embed_norm"),
+    ("encoder.layer.{}.attention.self.query", "transformer.encoder.layers.{}.attn.q_proj"),
+    ("encoder.layer.{}.attention.self.key", "transformer.encoder.layers.{}.attn.k_proj"),
+    ("encoder.layer.{}.attention.self.value", "transformer.encoder.layers.{}.attn.v_proj"),
+    ("encoder.layer.{}.attention.output.dense", "transformer.encoder.layers.{}.attn.o_proj"),
+    ("encoder.layer.{}.attention.output.LayerNorm", "transformer.encoder.layers.{}.attn_norm"),
+    ("encoder.layer.{}.intermediate.dense", "transformer.encoder.layers.{}.ffn.up_proj"),
+    ("encoder.layer.{}.output.dense", "transformer.encoder.layers.{}.ffn.down_proj"),
+    ("encoder.layer.{}.output.LayerNorm", "transformer.encoder.layers.{}.ffn_norm"),
+    ("pooler.dense", "pooler.dense"),
+]
+_HEADS = {
+    "bert": [("cls.predictions.transform.dense", "head.dense"),
+             ("cls.predictions.transform.LayerNorm", "head.norm"),
+             ("cls.predictions.bias", "head.bias"),
+             ("cls.predictions.decoder.weight", "head.weight")],  # only when untied
+    "roberta": [("lm_head.dense", "head.dense"), ("lm_head.layer_norm", "head.norm"),
+                ("lm_head.bias", "head.bias"), ("lm_head.decoder.weight", "head.weight")],
+}
+# Redundant copies and buffers: the tied decoder (and its bias alias), position-id buffers,
+# BERT's NSP head (no NSP head in this model yet).
+_IGNORE = [r"^embeddings\.position_ids$", r"decoder\.bias$", r"^cls\.seq_relationship\."]
+
+
+def _model_type(cfg: ModelConfig) -> str:
+    return "roberta" if cfg.position_offset else "bert"
+
+
+def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
+    mt = hf["model_type"]
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise InteropError(f"position_embedding_type={hf['position_embedding_type']!r} is not supported (absolute only)")
+    act = hf.get("hidden_act", "gelu")
+    if act not in ACTS:
+        raise InteropError(f"hidden_act={act!r} is not supported; expected one of {sorted(ACTS)}")
+    head_prefix = "cls.predictions." if mt == "bert" else "lm_head."
+    has_head = any(k.split(f"{mt}.", 1)[-1].startswith(head_prefix) or k.startswith(head_prefix) for k in keys)
+    has_pooler = any(k.endswith("pooler.dense.weight") for k in keys)
+    pad = hf.get("pad_token_id", 0 if mt == "bert" else 1)
+    return ModelConfig(
+        arch="encoder", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+        ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 512),
+        ffn=ACTS[act], norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-12), norm_placement="post",
+        bias=True, embed_norm=True, dropout=hf.get("hidden_dropout_prob", 0.1),
+        attn_dropout=hf.get("attention_probs_dropout_prob", 0.1), position="learned",
+        position_offset=(pad + 1) if mt == "roberta" else 0, token_types=hf.get("type_vocab_size", 2),
+        tie_embeddings=hf.get("tie_word_embeddings", True), head="mlm" if has_head else "none",
+        head_act=ACTS[act] if mt == "bert" else "gelu", pooler=has_pooler, pad_token_id=pad,
+    )
+
+
+def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    mt = _model_type(cfg)
+    tensors = strip_prefix(tensors, f"{mt}.")
+    ignore = _IGNORE + [r"decoder\.weight$"] if cfg.tie_embeddings else _IGNORE  # tied copy of the embeddings
+    return rename(tensors, _BODY + _HEADS[mt], ignore=ignore)
+
+
+def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    mt = _model_type(cfg)
+    hf = rename(ours, _BODY + _HEADS[mt], reverse=True)
+    if cfg.head == "mlm":  # HF's decoder bias is the same tensor as the head bias
+        bias = hf["cls.predictions.bias" if mt == "bert" else "lm_head.bias"]
+        hf["cls.predictions.decoder.bias" if mt == "bert" else "lm_head.decoder.bias"] = bias.clone()
+        return {(k if k.startswith(("cls.", "lm_head.")) else f"{mt}.{k}"): v for k, v in hf.items()}
+    return hf
+
+
+def export_mismatch(cfg: ModelConfig) -> str | None:
+    why = mismatch(cfg, arch="encoder", norm="layernorm", norm_placement="post", bias=True, norm_bias=True,
+                   embed_norm=True, position="learned", embed_dim=None, share_layers=False, attn_scale=None)
+    if why:
+        return why
+    if cfg.ffn not in _ACT_NAMES:
+        return f"needs a non-gated FFN (gelu, gelu_tanh, relu, swish), got ffn={cfg.ffn!r}"
+    if cfg.kv_heads != cfg.n_heads or cfg.dh * cfg.n_heads != cfg.dim:
+        return "needs plain multi-head attention (no GQA, head_dim = dim / n_heads)"
+    if cfg.head == "lm" or cfg.token_types < 1:
+        return "needs head 'mlm' or 'none' and token_types >= 1"
+    if cfg.position_offset and cfg.position_offset != cfg.pad_token_id + 1:
+        return f"RoBERTa needs position_offset == pad_token_id + 1, got {cfg.position_offset}"
+    if cfg.head == "mlm" and cfg.head_act != (cfg.ffn if _model_type(cfg) == "bert" else "gelu"):
+        return f"the MLM head activation must be {cfg.ffn if _model_type(cfg) == 'bert' else 'gelu'}"
+    return None
+
+
+_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    mt = _model_type(cfg)
+    arch = {"bert": "Bert", "roberta": "Roberta"}[mt] + ("ForMaskedLM" if cfg.head == "mlm" else "Model")
+    return {
+        "architectures": [arch], "model_type": mt, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "intermediate_size": cfg.ffn_dim, "hidden_act": _ACT_NAMES[cfg.ffn],
+        "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attn_dropout,
+        "max_position_embeddings": cfg.max_seq_len, "type_vocab_size": cfg.token_types,
+        "layer_norm_eps": cfg.norm_eps, "pad_token_id": cfg.pad_token_id,
+        "position_embedding_type": "absolute", "tie_word_embeddings": cfg.tie_embeddings,
+        "add_pooling_layer": cfg.pooler,
+    }

@@ -1,0 +1,124 @@
+"""TransformerLM: the Transformer body plus its head, the object ``pretune.build_model`` returns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import KVCache
+from .heads import HEADS, Pooler
+from .transformer import Transformer
+
+__all__ = ["TransformerLM", "ModelOutput", "KVCache", "count_parameters"]
+
+
+@dataclass
+class ModelOutput:
+    """What a model call returns. Shapes: B batch, T (decoder) length, S encoder length."""
+
+    last_hidden_state: torch.Tensor  # (B, T, dim): decoder output for enc-dec, else the stack's output
+    logits: torch.Tensor | None = None  # (B, T, vocab) when the model has an LM/MLM head
+    encoder_last_hidden_state: torch.Tensor | None = None  # (B, S, dim) encoder-decoder only
+    pooler_output: torch.Tensor | None = None  # (B, dim) when the config has a BERT pooler
+    past_key_values: KVCache | None = None  # the updated cache when use_cache=True
+
+
+class TransformerLM(nn.Module):
+    """A transformer body (``self.transformer``) and the head named by ``config.head``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = Transformer(config)
+        self.head = HEADS[config.head](config, self.transformer.embed) if config.head != "none" else None
+        self.pooler = Pooler(config) if config.pooler else None
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) (Radford et al. 2019 §2.3)
+        std = 0.02 / math.sqrt(2 * config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, std=std)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        prefix_lengths: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> ModelOutput:
+        """Run the model.
+
+        Args:
+            input_ids: (B, T) token ids (the encoder input for encoder-decoders).
+            attention_mask: (B, T) 1 for real tokens, 0 for padding. With a cache, (B, T_past + T).
+            token_type_ids: (B, T) segment ids (BERT sentence A = 0, B = 1).
+            decoder_input_ids, decoder_attention_mask: (B, T_dec) for encoder-decoders.
+            position_ids: (B, T) or (T,) explicit positions (e.g. left-padded generation).
+            prefix_lengths: (B,) decoder-only prefix LM: the first n tokens attend bidirectionally.
+            encoder_hidden_states: (B, S, dim) reuse an encoder output instead of recomputing it.
+            past_key_values / use_cache: incremental decoding (see ``KVCache``).
+        """
+        cfg = self.config
+        cache = past_key_values if past_key_values is not None else (KVCache() if use_cache else None)
+        body = self.transformer
+        encoder_out = None
+        if cfg.arch == "encoder":
+            h = body.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        elif cfg.arch == "decoder":
+            if token_type_ids is not None and body.decoder.token_type is not None:
+                raise NotImplementedError("token_type_ids for decoder-only models")
+            h = body.decode(input_ids, attention_mask, position_ids=position_ids,
+                            prefix_lengths=prefix_lengths, cache=cache)
+        else:
+            if decoder_input_ids is None:
+                raise ValueError("an encoder-decoder model needs decoder_input_ids (B, T_dec)")
+            encoder_out = encoder_hidden_states
+            if encoder_out is None:
+                encoder_out = body.encode(input_ids, attention_mask, token_type_ids)
+            h = body.decode(decoder_input_ids, decoder_attention_mask, memory=encoder_out,
+                            memory_mask=attention_mask, position_ids=position_ids, cache=cache)
+        return ModelOutput(
+            last_hidden_state=h,
+            logits=self.head(h) if self.head is not None else None,
+            encoder_last_hidden_state=encoder_out,
+            pooler_output=self.pooler(h) if self.pooler is not None else None,
+            past_key_values=cache,
+        )
+
+    def num_parameters(self) -> int:
+        return count_parameters(self)["total"]
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts, each shared tensor counted once: total and per top-level part."""
+    seen: set[int] = set()
+    parts: dict[str, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        bits = name.split(".")
+        part = bits[1] if bits[0] == "transformer" else bits[0]
+        parts[part] = parts.get(part, 0) + p.numel()
+    parts["total"] = sum(parts.values())
+    return parts

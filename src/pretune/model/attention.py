@@ -1,0 +1,171 @@
+"""Multi-head attention (self and cross), attention masks and the key/value cache.
+
+softmax(Q K^T * scale + bias + mask) V with heads as a batch axis, computed by
+``torch.nn.functional.scaled_dot_product_attention`` so PyTorch picks its fastest kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+@dataclass
+class LayerCache:
+    """Cached keys/values of one decoder layer: self-attention grows by one step per token;
+    cross-attention keys/values are computed from the encoder output once and reused."""
+
+    self_k: torch.Tensor | None = None  # (B, Hkv, T_past, Dh)
+    self_v: torch.Tensor | None = None
+    cross_k: torch.Tensor | None = None  # (B, Hkv, T_enc, Dh)
+    cross_v: torch.Tensor | None = None
+
+
+@dataclass
+class KVCache:
+    """Key/value cache for incremental decoding: one LayerCache per decoder layer application."""
+
+    layers: list[LayerCache] = field(default_factory=list)
+
+    def layer(self, i: int) -> LayerCache:
+        while len(self.layers) <= i:
+            self.layers.append(LayerCache())
+        return self.layers[i]
+
+    @property
+    def length(self) -> int:
+        """Number of positions already cached (0 for an empty cache)."""
+        if not self.layers or self.layers[0].self_k is None:
+            return 0
+        return self.layers[0].self_k.shape[2]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search): every cached tensor becomes tensor[index]."""
+        for lc in self.layers:
+            for name in ("self_k", "self_v", "cross_k", "cross_v"):
+                t = getattr(lc, name)
+                if t is not None:
+                    setattr(lc, name, t.index_select(0, index))
+
+
+def build_mask(
+    *,
+    q_len: int,
+    k_len: int,
+    q_offset: int = 0,
+    causal: bool,
+    key_padding: torch.Tensor | None = None,
+    prefix_lengths: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor | None, bool]:
+    """Combine causal/prefix/padding masks and an additive position bias into one SDPA mask.
+
+    Args:
+        q_len, k_len: query and key lengths; queries sit at positions q_offset .. q_offset+q_len-1.
+        causal: query i may only see keys j <= i.
+        key_padding: (B, k_len) bool/int, 1 for real tokens, 0 for padding.
+        prefix_lengths: (B,) prefix-LM: keys j < prefix_len are visible to every query.
+        bias: (1 or B, H, q_len, k_len) additive logits bias (T5 relative, ALiBi).
+    Returns:
+        (mask, is_causal): an additive float mask (B|1, H|1, q_len, k_len) or None, and whether
+        SDPA should apply its own causal mask (the fast path: causal, nothing else, no cache).
+    """
+    needs_causal = causal and q_len > 1
+    if key_padding is None and prefix_lengths is None and bias is None:
+        if not needs_causal:
+            return None, False
+        if q_offset == 0 and q_len == k_len:
+            return None, True
+    allowed = None  # (B|1, 1, q_len, k_len) bool
+    if needs_causal:
+        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
+        k_pos = torch.arange(k_len, device=device)
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+        if prefix_lengths is not None:
+            in_prefix = k_pos[None, :] < prefix_lengths.to(device)[:, None]  # (B, k_len)
+            allowed = allowed | in_prefix[:, None, None, :]
+    if key_padding is not None:
+        keep = key_padding.to(device=device, dtype=torch.bool)[:, None, None, :]
+        allowed = keep if allowed is None else allowed & keep
+    if bias is None:
+        mask = torch.zeros(allowed.shape, device=device)
+    else:
+        mask = bias.float()
+        if allowed is not None:
+            mask = mask.expand(torch.broadcast_shapes(mask.shape, allowed.shape))
+    if allowed is not None:
+        # finfo.min rather than -inf: a fully masked row (a padding query) stays finite, never NaN
+        mask = mask.masked_fill(~allowed, torch.finfo(mask.dtype).min)
+    return mask, False
+
+
+class Attention(nn.Module):
+    """Multi-head attention; grouped-query when n_kv_heads < n_heads; cross-attention when
+    keys/values come from another sequence (the encoder output)."""
+
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.dh = cfg.n_heads, cfg.kv_heads, cfg.dh
+        self.cross = cross
+        self.scale = cfg.attn_scale  # None: SDPA's default 1/sqrt(Dh)
+        self.dropout = cfg.attn_dropout
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.dh, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
+        self.o_proj = nn.Linear(self.n_heads * self.dh, cfg.dim, bias=cfg.bias)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.dh).transpose(1, 2)  # (B, n, T, Dh)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        memory: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        rotate=None,
+        positions: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, dim); memory: (B, S, dim) for cross-attention; mask: additive
+        (B|1, H|1, T, T_keys); rotate(q, k, positions) applies RoPE. Returns (B, T, dim)."""
+        B, T, _ = x.shape
+        q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
+        if self.cross:
+            if cache is not None and cache.cross_k is not None:
+                k, v = cache.cross_k, cache.cross_v
+            else:
+                k = self._heads(self.k_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
+                v = self._heads(self.v_proj(memory), self.n_kv_heads)
+                if cache is not None:
+                    cache.cross_k, cache.cross_v = k, v
+        else:
+            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
+            v = self._heads(self.v_proj(x), self.n_kv_heads)
+            if rotate is not None:
+                q, k = rotate(q, k, positions)
+            if cache is not None:
+                if cache.self_k is not None:
+                    k = torch.cat([cache.self_k, k], dim=2)  # (B, Hkv, T_past + T, Dh)
+                    v = torch.cat([cache.self_v, v], dim=2)
+                cache.self_k, cache.self_v = k, v
+        if mask is not None and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # (B, H, T, Dh)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.dh)  # (B, T, H*Dh)
+        return self.o_proj(out)

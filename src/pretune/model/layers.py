@@ -1,0 +1,81 @@
+"""Norms, activations and feed-forward blocks, each chosen by one string in the config."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """LayerNorm without mean-centring or bias: x / rms(x) * g (T5, Llama). Statistics in fp32."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # low precision: normalise in fp32, scale in the weight's dtype (as T5/Llama do)
+        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.weight.to(x.dtype) * y
+
+
+def _layer_norm(dim: int, eps: float, bias: bool = True) -> nn.LayerNorm:
+    return nn.LayerNorm(dim, eps=eps, bias=bias)
+
+
+NORMS = {"layernorm": _layer_norm, "rmsnorm": RMSNorm}
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    return NORMS[cfg.norm](dim or cfg.dim, cfg.norm_eps, cfg.norm_bias)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact erf GELU (BERT)
+    "gelu_tanh": _gelu_tanh,  # tanh approximation (GPT-2 "gelu_new", T5 v1.1 gated-gelu)
+    "swish": F.silu,  # Swish_1 = x * sigmoid(x) (Llama's SwiGLU)
+    "sigmoid": torch.sigmoid,  # GLU gate (Dauphin et al. 2017)
+    "identity": lambda x: x,  # Bilinear: no nonlinearity on the gate (Shazeer 2020)
+}
+
+# FFN name -> (gated?, activation). Shazeer 2020, "GLU Variants Improve Transformer".
+FFNS: dict[str, tuple[bool, str]] = {
+    "relu": (False, "relu"),
+    "gelu": (False, "gelu"),
+    "gelu_tanh": (False, "gelu_tanh"),
+    "swish": (False, "swish"),
+    "glu": (True, "sigmoid"),
+    "bilinear": (True, "identity"),
+    "reglu": (True, "relu"),
+    "geglu": (True, "gelu"),
+    "geglu_tanh": (True, "gelu_tanh"),
+    "swiglu": (True, "swish"),
+}
+
+
+class FeedForward(nn.Module):
+    """Original FFN act(x W1 + b1) W2 + b2, or gated (act(xW) * xV) W2 when cfg.ffn is a GLU variant."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        gated, act = FFNS[cfg.ffn]
+        self.act = ACTIVATIONS[act]
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)  # xV (gated) or x W1
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if gated else None  # xW
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)  # W2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,187 @@
+"""Positional information behind one small interface.
+
+Each stack (encoder, decoder) owns one position module. A module may do any of three things:
+  - ``add(x, positions)``: add an absolute position embedding to the input (sinusoidal, learned);
+  - ``rotate(q, k, positions)``: rotate queries and keys (RoPE);
+  - ``bias(q_pos, k_pos)``: a (1, H, Tq, Tk) term added to QK^T before softmax (T5 relative, ALiBi).
+The defaults do nothing, so a stack calls all three and never asks which kind it has.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class NoPosition(nn.Module):
+    """No positional information at all (a bag of tokens, unless the mask is causal)."""
+
+    has_bias = False
+    has_rotation = False
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__()
+
+    def add(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def rotate(self, q, k, positions):
+        return q, k
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+class SinusoidalPositions(NoPosition):
+    """Differs from none: adds fixed sin/cos of position (Vaswani et al. 2017 §3.5)."""
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__(cfg, causal=causal)
+        self.dim = cfg.embedding_dim
+        self.register_buffer("table", self._table(cfg.max_seq_len), persistent=False)
+
+    def _table(self, n: int) -> torch.Tensor:
+        pos = torch.arange(n, dtype=torch.float32)[:, None]  # (n, 1)
+        inv = torch.exp(torch.arange(0, self.dim, 2, dtype=torch.float32) * (-math.log(10000.0) / self.dim))
+        table = torch.zeros(n, self.dim)
+        table[:, 0::2] = torch.sin(pos * inv)  # PE(pos, 2i)
+        table[:, 1::2] = torch.cos(pos * inv)  # PE(pos, 2i+1)
+        return table
+
+    def add(self, x, positions):
+        if int(positions.max()) >= self.table.shape[0]:  # sinusoids extrapolate: grow the table
+            self.table = self._table(int(positions.max()) + 1).to(self.table.device)
+        return x + self.table[positions].to(x.dtype)
+
+
+class LearnedPositions(NoPosition):
+    """Differs from none: a trained table of max_seq_len absolute position vectors (BERT, GPT-2)."""
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__(cfg, causal=causal)
+        self.offset = cfg.position_offset
+        self.weight = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.embedding_dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def add(self, x, positions):
+        positions = positions + self.offset
+        if int(positions.max()) >= self.weight.shape[0]:
+            raise ValueError(
+                f"sequence needs position {int(positions.max())} but the learned position table has "
+                f"{self.weight.shape[0]} rows (max_seq_len={self.weight.shape[0]}, offset={self.offset})")
+        return x + nn.functional.embedding(positions, self.weight)
+
+
+class RotaryPositions(NoPosition):
+    """Differs from none: rotates each (q, k) coordinate pair by p*theta_j (Su et al. 2021), so
+    q_m.k_n depends only on n - m. Pairs are (j, j + d/2), the layout of HF Llama checkpoints."""
+
+    has_rotation = True
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__(cfg, causal=causal)
+        d = cfg.dh
+        inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # theta_j
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._max = cfg.max_seq_len
+
+    def _cos_sin(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache is None or self._cache[0] < n or self._cache[1].device != device:
+            n = max(n, self._max)
+            angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
+            angles = torch.cat([angles, angles], dim=-1)  # (n, d)
+            self._cache = (n, angles.cos(), angles.sin())
+        return self._cache[1], self._cache[2]
+
+    def rotate(self, q, k, positions):
+        """q: (B, H, T, d), k: (B, Hkv, T, d), positions: (B, T) or (T,)."""
+        cos, sin = self._cos_sin(int(positions.max()) + 1, q.device)
+        cos, sin = cos[positions], sin[positions]  # (B, T, d) or (T, d)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RelativeBias(NoPosition):
+    """Differs from none: a learned per-head scalar for each bucket of (key - query) distance,
+    added to QK^T (T5, Raffel et al. 2020 §2.1). Buckets are exact for small distances and
+    logarithmic up to relative_max_distance; encoders bucket both directions, decoders only the past."""
+
+    has_bias = True
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__(cfg, causal=causal)
+        self.bidirectional = not causal
+        self.n_buckets = cfg.relative_buckets
+        self.max_distance = cfg.relative_max_distance
+        self.bias_table = nn.Embedding(cfg.relative_buckets, cfg.n_heads)  # (buckets, H)
+        nn.init.normal_(self.bias_table.weight, std=0.02)
+
+    def bucket(self, relative: torch.Tensor) -> torch.Tensor:
+        """relative = key_pos - query_pos (any shape) -> bucket index in [0, n_buckets)."""
+        n = self.n_buckets
+        out = torch.zeros_like(relative)
+        if self.bidirectional:
+            n //= 2
+            out = out + (relative > 0).long() * n  # keys to the right use the upper half
+            dist = relative.abs()
+        else:
+            dist = (-relative).clamp(min=0)  # only the past has distinct buckets
+        exact = n // 2
+        log_part = torch.log(dist.float().clamp(min=1) / exact) / math.log(self.max_distance / exact)
+        large = exact + (log_part * (n - exact)).long()
+        large = large.clamp(max=n - 1)
+        return out + torch.where(dist < exact, dist, large)
+
+    def bias(self, q_pos, k_pos):
+        rel = k_pos[None, :] - q_pos[:, None]  # (Tq, Tk)
+        values = self.bias_table(self.bucket(rel))  # (Tq, Tk, H)
+        return values.permute(2, 0, 1)[None]  # (1, H, Tq, Tk)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """m_i = 2^(-8i/h), i = 1..h (Press et al. 2022); for h not a power of two, the slopes of the
+    nearest lower power of two followed by every other slope of the next power (the paper's recipe)."""
+
+    def pow2(h: int) -> list[float]:
+        return [2.0 ** (-8.0 * i / h) for i in range(1, h + 1)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(pow2(n_heads))
+    low = 2 ** math.floor(math.log2(n_heads))
+    return torch.tensor(pow2(low) + pow2(2 * low)[0::2][: n_heads - low])
+
+
+class ALiBi(NoPosition):
+    """Differs from none: adds -m_h * |i - j| to head h's attention logits; no learned parameters."""
+
+    has_bias = True
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__(cfg, causal=causal)
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+
+    def bias(self, q_pos, k_pos):
+        dist = (k_pos[None, :] - q_pos[:, None]).abs().float()  # (Tq, Tk)
+        return -self.slopes[None, :, None, None] * dist[None, None]  # (1, H, Tq, Tk)
+
+
+POSITIONS = {
+    "none": NoPosition,
+    "sinusoidal": SinusoidalPositions,
+    "learned": LearnedPositions,
+    "rope": RotaryPositions,
+    "relative": RelativeBias,
+    "alibi": ALiBi,
+}

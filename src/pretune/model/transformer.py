@@ -1,0 +1,157 @@
+"""The transformer: Block -> Stack (encoder or decoder) -> Transformer (one, or two stacks).
+
+Read this file first. Every family is this code with a different ModelConfig:
+  BERT   = encoder stack, post-norm, learned positions, token types
+  GPT-2  = decoder stack, pre-norm, learned positions
+  T5     = encoder + decoder stacks (decoder with cross-attention), RMSNorm, relative bias
+  Llama  = decoder stack, RMSNorm, RoPE, SwiGLU, grouped-query attention
+The Transformer returns hidden states; heads (heads.py) turn them into logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import Attention, KVCache, build_mask
+from .layers import FeedForward, make_norm
+from .position import POSITIONS
+
+
+class Block(nn.Module):
+    """Self-attention [+ cross-attention] + FFN, each a residual branch with a norm placed
+    before the branch (pre-norm: x + f(norm(x))) or after the sum (post-norm: norm(x + f(x)))."""
+
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, shared: "Block | None" = None):
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        if shared is None:  # T5 "enc-dec, shared": the decoder reuses the encoder block's weights
+            self.attn, self.attn_norm = Attention(cfg), make_norm(cfg)
+            self.ffn, self.ffn_norm = FeedForward(cfg), make_norm(cfg)
+        else:
+            self.attn, self.attn_norm = shared.attn, shared.attn_norm
+            self.ffn, self.ffn_norm = shared.ffn, shared.ffn_norm
+        self.cross_attn = Attention(cfg, cross=True) if cross else None
+        self.cross_norm = make_norm(cfg) if cross else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def _residual(self, x, norm, fn):
+        if self.pre_norm:
+            return x + self.drop(fn(norm(x)))
+        return norm(x + self.drop(fn(x)))
+
+    def forward(self, x, *, mask, is_causal, rotate, positions, memory=None, memory_mask=None, cache=None):
+        x = self._residual(x, self.attn_norm, lambda h: self.attn(
+            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache))
+        if self.cross_attn is not None:
+            x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
+                h, memory=memory, mask=memory_mask, cache=cache))
+        return self._residual(x, self.ffn_norm, self.ffn)
+
+
+class Stack(nn.Module):
+    """Embedding extras (token types, absolute positions, norm, ALBERT projection), a stack of
+    blocks (or one block applied n times under cross-layer sharing) and a final norm."""
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, n_layers: int,
+                 token_types: bool = True, shared: "Stack | None" = None):
+        super().__init__()
+        self.causal = causal
+        self.n_layers = n_layers
+        e = cfg.embedding_dim
+        self.position = POSITIONS[cfg.position](cfg, causal=causal)
+        self.token_type = nn.Embedding(cfg.token_types, e) if cfg.token_types and token_types else None
+        self.embed_norm = make_norm(cfg, e) if cfg.embed_norm else None
+        self.embed_proj = nn.Linear(e, cfg.dim) if e != cfg.dim else None  # ALBERT: E -> dim
+        self.drop = nn.Dropout(cfg.dropout)
+        n_distinct = 1 if cfg.share_layers else n_layers
+        if shared is not None:
+            self.layers = nn.ModuleList(Block(cfg, cross=cross, shared=b) for b in shared.layers)
+        else:
+            self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_distinct))
+        self.norm = make_norm(cfg) if cfg.final_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        prefix_lengths: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """x: (B, T, E) token embeddings; attention_mask: (B, T_past + T) 1 = real token;
+        memory: (B, S, dim) encoder output with memory_mask (B, S). Returns (B, T, dim)."""
+        B, T, _ = x.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=x.device)  # (T,)
+        if self.token_type is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros(B, T, dtype=torch.long, device=x.device)
+            x = x + self.token_type(token_type_ids)
+        x = self.position.add(x, position_ids)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = self.drop(x)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+
+        k_len = past + T
+        pos_bias = None
+        if self.position.has_bias:
+            pos_bias = self.position.bias(torch.arange(past, k_len, device=x.device),
+                                          torch.arange(k_len, device=x.device))
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # nothing padded: keep SDPA's fast path
+        mask, is_causal = build_mask(q_len=T, k_len=k_len, q_offset=past, causal=self.causal,
+                                     key_padding=attention_mask, prefix_lengths=prefix_lengths,
+                                     bias=pos_bias, device=x.device)
+        cross_mask = None
+        if memory is not None and memory_mask is not None and not bool(memory_mask.all()):
+            cross_mask, _ = build_mask(q_len=T, k_len=memory.shape[1], causal=False,
+                                       key_padding=memory_mask, device=x.device)
+        rotate = self.position.rotate if self.position.has_rotation else None
+        for i in range(self.n_layers):
+            block = self.layers[i % len(self.layers)]
+            x = block(x, mask=mask, is_causal=is_causal, rotate=rotate, positions=position_ids,
+                      memory=memory, memory_mask=cross_mask,
+                      cache=cache.layer(i) if cache is not None else None)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
+
+
+class Transformer(nn.Module):
+    """Token embedding + encoder stack, decoder stack, or both (encoder-decoder)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.embedding_dim)
+        self.encoder = None
+        self.decoder = None
+        if cfg.arch in ("encoder", "encoder-decoder"):
+            self.encoder = Stack(cfg, causal=False, n_layers=cfg.n_layers)
+        if cfg.arch in ("decoder", "encoder-decoder"):
+            cross = cfg.arch == "encoder-decoder"
+            shared = self.encoder if cfg.share_encoder_decoder else None
+            n = cfg.decoder_layers if cross else cfg.n_layers
+            self.decoder = Stack(cfg, causal=True, cross=cross, n_layers=n, shared=shared,
+                                 token_types=not cross)  # segments belong to the input stack
+
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
+        """(B, S) token ids -> (B, S, dim) encoder hidden states."""
+        return self.encoder(self.embed(input_ids), attention_mask=attention_mask,
+                            token_type_ids=token_type_ids, position_ids=position_ids)
+
+    def decode(self, input_ids, attention_mask=None, *, memory=None, memory_mask=None,
+               position_ids=None, prefix_lengths=None, cache=None):
+        """(B, T) token ids -> (B, T, dim) decoder hidden states (causal; cross-attends to memory)."""
+        return self.decoder(self.embed(input_ids), attention_mask=attention_mask,
+                            position_ids=position_ids, prefix_lengths=prefix_lengths,
+                            memory=memory, memory_mask=memory_mask, cache=cache)
