@@ -76,6 +76,9 @@ class _AtomicFolder:
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint is an ordinary folder
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
