@@ -52,7 +52,9 @@ def cmd_show(args) -> int:
     fam = {"encoder": "encoder-only", "decoder": "decoder-only", "encoder-decoder": "encoder-decoder"}[cfg.arch]
     print(f"{args.target}: {fam} transformer")
     layers = f"{cfg.n_layers}" if cfg.arch != "encoder-decoder" else f"{cfg.n_layers} enc + {cfg.decoder_layers} dec"
-    attn = f"{cfg.n_heads} heads x {cfg.dh}" + (f", {cfg.kv_heads} kv heads (GQA)" if cfg.kv_heads != cfg.n_heads else "")
+    attn = f"{cfg.n_heads} heads x {cfg.dh}"
+    if cfg.kv_heads != cfg.n_heads:
+        attn += f", {cfg.kv_heads} kv heads (GQA)"
     rows = [
         ("layers", layers), ("dim", cfg.dim), ("attention", attn), ("ffn", f"{cfg.ffn}, inner {cfg.ffn_dim}"),
         ("norm", f"{cfg.norm} ({cfg.norm_placement}-norm, eps {cfg.norm_eps:g})"),

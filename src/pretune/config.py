@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 Arch = Literal["encoder", "decoder", "encoder-decoder"]
@@ -51,7 +51,7 @@ class ModelConfig:
     ffn: Ffn = "gelu"  # FFN variant; gated ones (glu, swiglu, ...) have two input projections
     norm: Norm = "layernorm"  # layernorm (BERT, GPT-2) or rmsnorm (T5, Llama): no mean, no bias
     norm_eps: float = 1e-12  # epsilon inside the norm
-    norm_placement: NormPlacement = "post"  # post: x = norm(x + f(x)) (BERT); pre: x = x + f(norm(x)) (GPT-2, T5, Llama)
+    norm_placement: NormPlacement = "post"  # post: norm(x + f(x)) (BERT); pre: x + f(norm(x)) (GPT-2, T5, Llama)
     bias: bool = True  # biases in attention/FFN linears (BERT, GPT-2); False for T5, Llama
     norm_bias: bool = True  # LayerNorm has a bias (ignored for rmsnorm, which never has one)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds the scale into its init and uses 1.0

@@ -12,9 +12,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Iterable
 
 import torch
 from safetensors.torch import save_file

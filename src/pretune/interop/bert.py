@@ -52,7 +52,8 @@ def _model_type(cfg: ModelConfig) -> str:
 def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     mt = hf["model_type"]
     if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise InteropError(f"position_embedding_type={hf['position_embedding_type']!r} is not supported (absolute only)")
+        raise InteropError(f"position_embedding_type={hf['position_embedding_type']!r} is not supported "
+                           "(absolute only)")
     act = hf.get("hidden_act", "gelu")
     if act not in ACTS:
         raise InteropError(f"hidden_act={act!r} is not supported; expected one of {sorted(ACTS)}")

@@ -79,15 +79,17 @@ class TransformerLM(nn.Module):
             past_key_values / use_cache: incremental decoding (see ``KVCache``).
         """
         cfg = self.config
+        if prefix_lengths is not None and cfg.arch != "decoder":
+            raise ValueError(f"prefix_lengths applies to decoder-only models (prefix LM), not arch={cfg.arch!r}")
+        if token_type_ids is not None and self.transformer.input_stack.token_type is None:
+            raise ValueError("token_type_ids given but the model has no token-type embeddings (token_types=0)")
         cache = past_key_values if past_key_values is not None else (KVCache() if use_cache else None)
         body = self.transformer
         encoder_out = None
         if cfg.arch == "encoder":
             h = body.encode(input_ids, attention_mask, token_type_ids, position_ids)
         elif cfg.arch == "decoder":
-            if token_type_ids is not None and body.decoder.token_type is not None:
-                raise NotImplementedError("token_type_ids for decoder-only models")
-            h = body.decode(input_ids, attention_mask, position_ids=position_ids,
+            h = body.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
                             prefix_lengths=prefix_lengths, cache=cache)
         else:
             if decoder_input_ids is None:

@@ -93,6 +93,8 @@ def build_mask(
     if key_padding is not None:
         keep = key_padding.to(device=device, dtype=torch.bool)[:, None, None, :]
         allowed = keep if allowed is None else allowed & keep
+    if allowed is None and bias is None:
+        return None, False  # e.g. one causal query with a prefix mask: nothing is hidden
     if bias is None:
         mask = torch.zeros(allowed.shape, device=device)
     else:
@@ -121,8 +123,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.dh, cfg.dim, bias=cfg.bias)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        B, T, _ = x.shape
-        return x.view(B, T, n, self.dh).transpose(1, 2)  # (B, n, T, Dh)
+        return x.unflatten(-1, (n, self.dh)).transpose(1, 2)  # (B, T, n*Dh) -> (B, n, T, Dh)
+
+    def _project_qkv(self, x: torch.Tensor):
+        plain = type(self.q_proj) is nn.Linear and type(self.k_proj) is nn.Linear and type(self.v_proj) is nn.Linear
+        if not plain:  # a PEFT wrapper changes a projection: call each one
+            return (self._heads(self.q_proj(x), self.n_heads), self._heads(self.k_proj(x), self.n_kv_heads),
+                    self._heads(self.v_proj(x), self.n_kv_heads))
+        # one matmul for q, k and v (one read of x, one autocast cast of it) instead of three
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        b = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        q, k, v = F.linear(x, w, b).split([self.n_heads * self.dh, self.n_kv_heads * self.dh,
+                                           self.n_kv_heads * self.dh], dim=-1)
+        return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
 
     def forward(
         self,
@@ -138,8 +151,8 @@ class Attention(nn.Module):
         """x: (B, T, dim); memory: (B, S, dim) for cross-attention; mask: additive
         (B|1, H|1, T, T_keys); rotate(q, k, positions) applies RoPE. Returns (B, T, dim)."""
         B, T, _ = x.shape
-        q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
         if self.cross:
+            q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
             if cache is not None and cache.cross_k is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:
@@ -148,8 +161,7 @@ class Attention(nn.Module):
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v
         else:
-            k = self._heads(self.k_proj(x), self.n_kv_heads)  # (B, Hkv, T, Dh)
-            v = self._heads(self.v_proj(x), self.n_kv_heads)
+            q, k, v = self._project_qkv(x)  # (B, H, T, Dh), (B, Hkv, T, Dh) x2
             if rotate is not None:
                 q, k = rotate(q, k, positions)
             if cache is not None:

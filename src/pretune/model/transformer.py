@@ -149,9 +149,14 @@ class Transformer(nn.Module):
         return self.encoder(self.embed(input_ids), attention_mask=attention_mask,
                             token_type_ids=token_type_ids, position_ids=position_ids)
 
+    @property
+    def input_stack(self) -> Stack:
+        """The stack that reads the input text (the encoder, or the decoder of a decoder-only model)."""
+        return self.encoder if self.encoder is not None else self.decoder
+
     def decode(self, input_ids, attention_mask=None, *, memory=None, memory_mask=None,
-               position_ids=None, prefix_lengths=None, cache=None):
+               position_ids=None, token_type_ids=None, prefix_lengths=None, cache=None):
         """(B, T) token ids -> (B, T, dim) decoder hidden states (causal; cross-attends to memory)."""
         return self.decoder(self.embed(input_ids), attention_mask=attention_mask,
-                            position_ids=position_ids, prefix_lengths=prefix_lengths,
+                            position_ids=position_ids, token_type_ids=token_type_ids, prefix_lengths=prefix_lengths,
                             memory=memory, memory_mask=memory_mask, cache=cache)

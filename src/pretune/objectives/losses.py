@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..model.heads import LMHead
+from .fused_ce import fused_linear_cross_entropy
+
 IGNORE_INDEX = -100
 
 
@@ -26,9 +29,14 @@ def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     targets = (input_ids if labels is None else labels)[:, 1:]  # (B, T-1)
     if attention_mask is not None:
         targets = targets.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
-    logits = model.head(h[:, :-1])  # (B, T-1, vocab)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+    h = h[:, :-1].reshape(-1, h.shape[-1])  # (B*(T-1), dim)
+    head = model.head
+    if isinstance(head, LMHead) and head.proj is None:  # plain (possibly tied) linear head: fuse with the loss
+        if head.scale is not None:
+            h = h * head.scale
+        return fused_linear_cross_entropy(h, head.weight, targets.reshape(-1))
+    logits = head(h)  # (B*(T-1), vocab)
+    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def masked_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor,
