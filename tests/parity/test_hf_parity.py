@@ -113,6 +113,10 @@ def test_to_hf_loads_in_transformers_with_same_logits(hf_model, tmp_path):
     out = tmp_path / "exported"
     pretune.to_hf(ours, out)
     reloaded = type(hf).from_pretrained(out).eval()
+    auto = T.AutoModelForMaskedLM if "MaskedLM" in type(hf).__name__ else (
+        T.AutoModelForSeq2SeqLM if hf.config.is_encoder_decoder else
+        T.AutoModelForCausalLM if "LMHead" in type(hf).__name__ or "CausalLM" in type(hf).__name__ else T.AutoModel)
+    assert type(auto.from_pretrained(out)) is type(hf)  # the Auto* classes resolve the exported folder
     batch = _batch()
     with torch.no_grad():
         _compare(_hf_out(reloaded, *batch), _ours_out(ours, *batch), batch[1], batch[3],
@@ -137,7 +141,6 @@ def test_our_presets_export_to_transformers(preset, tmp_path):
     if preset == "tiny-roberta-base":
         model = pretune.build_model(preset, dropout=0.0, attn_dropout=0.0, token_types=1).eval()
     pretune.to_hf(model, tmp_path / "hf")
-    hf = T.AutoModel.from_pretrained(tmp_path / "hf") if False else None  # noqa: F841
     arch = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]
     hf = getattr(T, arch).from_pretrained(tmp_path / "hf").eval()
     batch = _batch()

@@ -138,6 +138,9 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama).
 
+    Args:
+        path: folder with config.json and model.safetensors (or a sharded index, or pytorch_model.bin).
+        dtype: parameter dtype of the returned model (default fp32, whatever the file stores).
     Returns a TransformerLM in eval mode whose outputs equal the transformers model's.
     """
     from ..model import TransformerLM
@@ -148,9 +151,7 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     if model_type is None:
         raise InteropError(f"{path / 'config.json'}: no 'model_type' key")
     fam = family_of(model_type)
-    tensors = read_hf_weights(path)
-    tensors = {k: v.float() if v.is_floating_point() and v.dtype != torch.float32 and dtype is None else v
-               for k, v in tensors.items()}
+    tensors = read_hf_weights(path)  # any float dtype: load_state copies into the fp32 model
     try:
         config = fam.config_from_hf(hf_config, set(tensors))
         ours = fam.weights_from_hf(tensors, config)

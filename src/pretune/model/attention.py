@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .layers import dropout
 
 
 @dataclass
@@ -171,13 +172,30 @@ class Attention(nn.Module):
                 cache.self_k, cache.self_v = k, v
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # (B, H, T, Dh)
+        if self.training and self.dropout > 0:
+            out = self._attend_with_dropout(q, k, v, mask, is_causal)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )  # (B, H, T, Dh)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.dh)  # (B, T, H*Dh)
         return self.o_proj(out)
+
+    def _attend_with_dropout(self, q, k, v, mask, is_causal):
+        """softmax(QK^T * scale + mask) with dropout on the probabilities, then V. SDPA's fused
+        kernels have no dropout on CPU and its math path uses bernoulli_; this path is the same
+        maths with the cheaper dropout mask."""
+        if self.n_kv_heads != self.n_heads:  # GQA: each kv head serves n_heads / n_kv_heads query heads
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        scale = self.scale if self.scale is not None else self.dh ** -0.5
+        scores = (q * scale) @ k.transpose(-1, -2)  # (B, H, T, S)
+        if is_causal:
+            T, S = scores.shape[-2:]
+            hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(S - T + 1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        if mask is not None:
+            scores = scores + mask
+        probs = dropout(scores.softmax(dim=-1), self.dropout, True)
+        return probs @ v  # (B, H, T, Dh)

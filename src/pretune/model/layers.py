@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,37 @@ class RMSNorm(nn.Module):
         # low precision: normalise in fp32, scale in the weight's dtype (as T5/Llama do)
         y = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return self.weight.to(x.dtype) * y
+
+
+def _keep_mask(shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
+    """Bernoulli(1 - p) keep mask, ~2x cheaper than ``bernoulli_`` on CPU: one 64-bit random draw
+    gives three uniform 16-bit words (the fourth has its top bit clear and is skipped), each
+    compared with a threshold, so p is quantised to 1/65536 (0.1 -> 0.100006)."""
+    n = math.prod(shape)
+    words = torch.empty(-(-n // 3), dtype=torch.int64, device=device).random_()  # 63 random bits each
+    w16 = words.view(torch.int16).view(-1, 4)[:, :3]  # little-endian: column 3 is the high word
+    return (w16 >= -32768 + round(p * 65536)).reshape(-1)[:n].view(shape)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout: zero each element with probability p, scale the rest by 1/(1-p)."""
+    if not training or p == 0.0:
+        return x
+    return torch.where(_keep_mask(x.shape, p, x.device), x * (1.0 / (1.0 - p)), 0.0)
+
+
+class Dropout(nn.Module):
+    """nn.Dropout with the cheaper keep mask of ``dropout`` (same semantics, same RNG stream owner)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
 
 
 def _layer_norm(dim: int, eps: float, bias: bool = True) -> nn.LayerNorm:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention, KVCache, build_mask
-from .layers import FeedForward, make_norm
+from .layers import Dropout, FeedForward, make_norm
 from .position import POSITIONS
 
 
@@ -34,7 +34,7 @@ class Block(nn.Module):
             self.ffn, self.ffn_norm = shared.ffn, shared.ffn_norm
         self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.cross_norm = make_norm(cfg) if cross else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def _residual(self, x, norm, fn):
         if self.pre_norm:
@@ -64,7 +64,7 @@ class Stack(nn.Module):
         self.token_type = nn.Embedding(cfg.token_types, e) if cfg.token_types and token_types else None
         self.embed_norm = make_norm(cfg, e) if cfg.embed_norm else None
         self.embed_proj = nn.Linear(e, cfg.dim) if e != cfg.dim else None  # ALBERT: E -> dim
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         n_distinct = 1 if cfg.share_layers else n_layers
         if shared is not None:
             self.layers = nn.ModuleList(Block(cfg, cross=cross, shared=b) for b in shared.layers)
