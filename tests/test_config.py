@@ -110,3 +110,8 @@ def test_derived_values_are_not_stored():
     cfg = ModelConfig(dim=32, n_heads=4, n_layers=3)
     assert (cfg.dh, cfg.kv_heads, cfg.decoder_layers, cfg.embedding_dim) == (8, 4, 3, 32)
     assert not {"dh", "kv_heads", "decoder_layers", "embedding_dim", "final_norm"} & set(cfg.to_dict())
+
+
+def test_constructor_with_unknown_keyword_suggests_the_nearest_key():
+    with pytest.raises(ConfigError, match=r"'n_layer'.*did you mean 'n_layers'"):
+        ModelConfig(n_layer=2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import typing
@@ -177,6 +178,25 @@ class ModelConfig:
         if isinstance(data, dict):
             data.pop("pretune_version", None)
         return cls.from_dict(data, source=str(path))
+
+
+def _strict_init(init):
+    """Wrap the dataclass __init__ so ``ModelConfig(n_layer=2)`` names the nearest valid key
+    instead of raising a bare TypeError."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        valid = [f.name for f in dataclasses.fields(type(self))]
+        for key in kwargs:
+            if key not in valid:
+                raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, valid)}")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)
+    return __init__
+
+
+ModelConfig.__init__ = _strict_init(ModelConfig.__init__)
 
 
 def _did_you_mean(key: str, valid: list[str]) -> str:

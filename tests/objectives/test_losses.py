@@ -69,3 +69,14 @@ def test_masked_lm_loss_equals_transformers_bert_loss(tmp_path):
         ref = hf(input_ids=ids, labels=labels).loss
         got = masked_lm_loss(ours, ids, labels)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_linear_cross_entropy_with_no_valid_target_is_zero_with_zero_grads():
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    out = fused_linear_cross_entropy(h, w, torch.full((4,), -100))
+    out.backward()
+    assert out.item() == 0.0
+    assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
+    empty = fused_linear_cross_entropy(torch.randn(0, 8, requires_grad=True), w, torch.zeros(0, dtype=torch.long))
+    assert empty.item() == 0.0

@@ -135,11 +135,13 @@ def test_round_trip_is_identical(hf_model, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("preset", ["tiny-bert-base", "tiny-roberta-base", "tiny-gpt2", "tiny-t5-small", "tiny-llama"])
-def test_our_presets_export_to_transformers(preset, tmp_path):
-    model = pretune.build_model(preset, dropout=0.0, attn_dropout=0.0).eval()
-    if preset == "tiny-roberta-base":
-        model = pretune.build_model(preset, dropout=0.0, attn_dropout=0.0, token_types=1).eval()
+@pytest.mark.parametrize("preset,overrides", [
+    ("tiny-bert-base", {}), ("tiny-roberta-base", {"token_types": 1}), ("tiny-gpt2", {}), ("tiny-t5-small", {}),
+    ("tiny-t5-small", {"ffn": "geglu_tanh", "tie_embeddings": False, "tied_logit_scale": False}),  # T5 v1.1
+    ("tiny-llama", {}), ("tiny-llama", {"tie_embeddings": False}),
+])
+def test_our_presets_export_to_transformers(preset, overrides, tmp_path):
+    model = pretune.build_model(preset, dropout=0.0, attn_dropout=0.0, **overrides).eval()
     pretune.to_hf(model, tmp_path / "hf")
     arch = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]
     hf = getattr(T, arch).from_pretrained(tmp_path / "hf").eval()

@@ -24,21 +24,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             valid = targets != IGNORE_INDEX
             n = valid.sum().clamp(min=1)
             grad_h = torch.empty_like(hc)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_w = None  # (V, d) fp32, the first chunk's product (no zero-filled buffer)
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
             for s in range(0, hc.shape[0], chunk):
                 hs, ts, vs = hc[s:s + chunk], targets[s:s + chunk], valid[s:s + chunk]
-                z = (hs @ wc.t()).float()  # (c, V)
-                lse = torch.logsumexp(z, dim=-1)  # (c,)
+                z = (hs @ wc.t()).float()  # (c, V) logits
                 safe_t = ts.clamp(min=0)
-                picked = z.gather(1, safe_t[:, None]).squeeze(1)
+                picked = z.gather(1, safe_t[:, None]).squeeze(1)  # (c,) logit of the target
+                top = z.amax(dim=-1, keepdim=True)  # (c, 1)
+                z.sub_(top).exp_()  # exp(z - max), in place: no second (c, V) buffer
+                total = z.sum(dim=-1, keepdim=True)  # (c, 1)
+                lse = (top + total.log()).squeeze(1)  # logsumexp(z)
                 loss += ((lse - picked) * vs).sum()
-                z.sub_(lse[:, None]).exp_()  # softmax, in place
-                z[torch.arange(z.shape[0], device=z.device), safe_t] -= 1.0
-                z.mul_((vs.float() / n)[:, None])  # mean over valid targets; ignored rows get 0
+                w_row = vs.float() / n  # mean over valid targets; ignored rows get weight 0
+                z.mul_(w_row[:, None] / total)  # softmax(z) / n
+                z[torch.arange(z.shape[0], device=z.device), safe_t] -= w_row  # - onehot / n
                 g = z.to(dtype)
                 grad_h[s:s + chunk] = g @ wc
-                grad_w.add_(g.t() @ hs)  # (V, d), accumulated in fp32
+                part = g.t() @ hs  # (V, d)
+                grad_w = part.float() if grad_w is None else grad_w.add_(part)  # accumulated in fp32
+            if grad_w is None:  # no rows at all
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss / n
@@ -57,5 +63,6 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     Args:
         h: (N, d) hidden states; weight: (V, d) output embedding; targets: (N,) token ids.
         chunk: rows per chunk; memory holds one (chunk, V) block of logits at a time.
+    With no valid target the loss is 0 with zero gradients (F.cross_entropy would give NaN).
     """
     return _FusedLinearCrossEntropy.apply(h, weight, targets, chunk)
