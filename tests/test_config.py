@@ -115,3 +115,8 @@ def test_derived_values_are_not_stored():
 def test_constructor_with_unknown_keyword_suggests_the_nearest_key():
     with pytest.raises(ConfigError, match=r"'n_layer'.*did you mean 'n_layers'"):
         ModelConfig(n_layer=2)
+
+
+def test_position_offset_without_learned_positions_is_rejected():
+    with pytest.raises(ConfigError, match="position_offset"):
+        ModelConfig(position="rope", position_offset=2)

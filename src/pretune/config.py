@@ -134,6 +134,8 @@ class ModelConfig:
             for name in ("n_decoder_layers", "share_encoder_decoder"):
                 if getattr(self, name):
                     raise ConfigError(f"{name} applies to arch='encoder-decoder' only, got arch={self.arch!r}")
+        if self.position_offset and self.position != "learned":
+            raise ConfigError(f"position_offset applies to position='learned' only, got position={self.position!r}")
         if self.head == "mlm" and self.arch != "encoder":
             raise ConfigError(f"head='mlm' needs arch='encoder' (got {self.arch!r}); use head='lm'")
         if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):

@@ -93,7 +93,8 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 def export_mismatch(cfg: ModelConfig) -> str | None:
     why = mismatch(cfg, arch="encoder", norm="layernorm", norm_placement="post", bias=True, norm_bias=True,
-                   embed_norm=True, position="learned", embed_dim=None, share_layers=False, attn_scale=None)
+                   embed_norm=True, position="learned", embed_dim=None, share_layers=False, attn_scale=None,
+                   tied_logit_scale=False)
     if why:
         return why
     if cfg.ffn not in _ACT_NAMES:

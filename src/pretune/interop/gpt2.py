@@ -91,7 +91,8 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def export_mismatch(cfg: ModelConfig) -> str | None:
     why = mismatch(cfg, arch="decoder", norm="layernorm", norm_placement="pre", bias=True, norm_bias=True,
                    embed_norm=False, position="learned", position_offset=0, token_types=0, embed_dim=None,
-                   share_layers=False, attn_scale=None, head="lm", tie_embeddings=True)
+                   share_layers=False, attn_scale=None, head="lm", tie_embeddings=True, tied_logit_scale=False,
+                   pooler=False)
     if why:
         return why
     if cfg.ffn not in _ACT_NAMES:

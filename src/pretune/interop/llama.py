@@ -73,7 +73,7 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def export_mismatch(cfg: ModelConfig) -> str | None:
     return mismatch(cfg, arch="decoder", norm="rmsnorm", norm_placement="pre", bias=False, embed_norm=False,
                     position="rope", ffn="swiglu", token_types=0, embed_dim=None, share_layers=False,
-                    attn_scale=None, head="lm", tied_logit_scale=False)
+                    attn_scale=None, head="lm", tied_logit_scale=False, pooler=False)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -89,7 +89,7 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def export_mismatch(cfg: ModelConfig) -> str | None:
     why = mismatch(cfg, arch="encoder-decoder", norm="rmsnorm", norm_placement="pre", bias=False,
                    attn_scale=1.0, embed_norm=False, position="relative", token_types=0, embed_dim=None,
-                   share_layers=False, share_encoder_decoder=False, head="lm")
+                   share_layers=False, share_encoder_decoder=False, head="lm", pooler=False)
     if why:
         return why
     if cfg.tie_embeddings != cfg.tied_logit_scale:
