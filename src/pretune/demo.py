@@ -51,6 +51,7 @@ def run_demo(out: Path) -> int:
     try:
         import transformers
 
+        transformers.utils.logging.disable_progress_bar()
         ref = transformers.BertModel.from_pretrained(src).eval()
         with torch.no_grad():
             ref_h = ref(input_ids=ids, attention_mask=mask).last_hidden_state
