@@ -26,9 +26,8 @@ def _load_any(spec: str):
     if spec in PRESETS:
         return get_preset(spec), None
     if path.is_dir():
-        cfg_file = path / "config.json"
-        if cfg_file.is_file() and "model_type" in json.loads(cfg_file.read_text()):
-            read_hf_config(path)
+        # both formats keep a config.json; only Hugging Face's names a model_type
+        if (path / "config.json").is_file() and "model_type" in read_hf_config(path):
             model = from_hf(path)
             return model.config, model
         model = load(path)

@@ -12,6 +12,7 @@ import difflib
 import inspect
 import json
 import os
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -216,7 +217,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
             hint_txt = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{name}={value!r} is not one of {list(args)}{hint_txt}")
         return
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return
         inner = [a for a in args if a is not type(None)]
