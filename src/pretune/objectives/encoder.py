@@ -1,0 +1,194 @@
+"""Encoder objectives: masked LM (BERT/RoBERTa, whole-word, SpanBERT), NSP (BERT), SOP (ALBERT), ELECTRA."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..model.layers import ACTIVATIONS
+from .base import IGNORE, Objective, require, summed_ce, with_specials
+from .masking import mlm_example, sentence_pair
+
+_HINT = "train a WordPiece (BERT specials) or BPE (RoBERTa specials) tokenizer with `pretune tokenizer train`"
+
+
+class MaskedLM(Objective):
+    """BERT: select 15% of tokens; 80% → [MASK], 10% → random, 10% kept; predict the originals."""
+
+    name = "mlm"
+    archs = ("encoder",)
+    why = "masked LM predicts tokens from both sides, so it needs a bidirectional encoder (a decoder-only model " \
+          "only sees the left context; use clm or prefix_lm there);"
+
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.cls = require(tokenizer, "cls", self.name, _HINT)
+        self.sep = require(tokenizer, "sep", self.name, _HINT)
+        self.mask = require(tokenizer, "mask", self.name, _HINT)
+        needs_words = cfg.whole_word or cfg.span_masking
+        self.word_start_vocab = tokenizer.word_start_mask() if needs_words else None
+        self.vocab_size = min(tokenizer.vocab_size, model_cfg.vocab_size)
+
+    def n_special_tokens(self) -> int:
+        return 2  # [CLS] block [SEP]
+
+    def mask_tokens(self, ids: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        c = self.cfg
+        return mlm_example(ids, rng, rate=c.rate, mask_id=self.mask, vocab_size=self.vocab_size,
+                           special_ids=self.special_ids, word_start_vocab=self.word_start_vocab,
+                           whole_word=c.whole_word, span=c.span_masking, mask_prob=c.mask_prob,
+                           random_prob=c.random_prob)
+
+    def example(self, block, rng, random_block):
+        ids = with_specials(block.tokens, self.cls, self.sep)
+        corrupted, labels = self.mask_tokens(ids, rng)
+        return {"input_ids": corrupted, "attention_mask": np.ones_like(ids), "labels": labels}
+
+    def counts(self, batch):
+        return {"mlm": int((batch["labels"] != IGNORE).sum())}
+
+    def _mlm(self, model, batch, input_ids=None):
+        h = model.transformer.encode(batch["input_ids"] if input_ids is None else input_ids, batch["attention_mask"],
+                                     batch.get("token_type_ids"))  # (B, T, dim)
+        selected = batch["labels"] != IGNORE  # (B, T)
+        s, correct = summed_ce(model.head(h[selected]), batch["labels"][selected])  # head on ~15% of positions only
+        return h, s, correct
+
+    def loss(self, model, batch, totals):
+        _, s, correct = self._mlm(model, batch)
+        return s / totals["mlm"], {"mlm_loss": float(s.detach()), "mlm_correct": float(correct)}
+
+
+class SentencePairMLM(MaskedLM):
+    """BERT NSP / ALBERT SOP: [CLS] A [SEP] B [SEP] with segment ids; MLM + a 2-way head on the pooled [CLS]."""
+
+    name = "nsp"
+    task = "nsp"
+
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        dim = model_cfg.dim
+        self.pooler = None if model_cfg.pooler else nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.classifier = nn.Linear(dim, 2)  # pretraining-only; saved with the training state
+
+    def n_special_tokens(self) -> int:
+        return 3
+
+    def example(self, block, rng, random_block):
+        sents = _sentences(block)
+        budget = self.block_size(self.model_cfg.max_seq_len)
+        a, b, label = sentence_pair(sents, rng, task=self.task, max_tokens=budget,
+                                    random_sentences=lambda r: _sentences(random_block(r)))
+        ids = np.concatenate([[self.cls], a, [self.sep], b, [self.sep]]).astype(np.int64)
+        types = np.concatenate([np.zeros(len(a) + 2, np.int64), np.ones(len(b) + 1, np.int64)])
+        corrupted, labels = self.mask_tokens(ids, rng)
+        return {"input_ids": corrupted, "attention_mask": np.ones_like(ids), "token_type_ids": types,
+                "labels": labels, "pair_labels": np.int64(label)}
+
+    def counts(self, batch):
+        return {"mlm": int((batch["labels"] != IGNORE).sum()), self.task: int(batch["pair_labels"].shape[0])}
+
+    def loss(self, model, batch, totals):
+        h, s, correct = self._mlm(model, batch)
+        pooled = model.pooler(h) if model.pooler is not None else self.pooler(h[:, 0])  # (B, dim)
+        logits = self.classifier(pooled)  # (B, 2)
+        s2, c2 = summed_ce(logits, batch["pair_labels"])
+        loss = s / totals["mlm"] + s2 / totals[self.task]
+        return loss, {"mlm_loss": float(s.detach()), "mlm_correct": float(correct),
+                      f"{self.task}_loss": float(s2.detach()), f"{self.task}_correct": float(c2)}
+
+
+class SentenceOrderMLM(SentencePairMLM):
+    """ALBERT SOP: B is always A's continuation; half the pairs are swapped. MLM + order classification."""
+
+    name = "sop"
+    task = "sop"
+
+
+class RTDHead(nn.Module):
+    """ELECTRA's discriminator head: dense + activation, then one logit per token (replaced or not)."""
+
+    def __init__(self, dim: int, act: str):
+        super().__init__()
+        self.dense = nn.Linear(dim, dim)
+        self.act = ACTIVATIONS[act]
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.dense(h)))  # (B, T, 1)
+
+
+def _sentences(block) -> list[np.ndarray]:
+    starts = list(np.asarray(block.sent_starts, dtype=np.int64)) + [len(block.tokens)]
+    return [block.tokens[s:e].astype(np.int64) for s, e in zip(starts[:-1], starts[1:]) if e > s]
+
+
+class Electra(MaskedLM):
+    """ELECTRA: a small MLM generator fills the masked positions with samples; the discriminator (the model
+    being pretrained) labels every token original/replaced. Loss = MLM + λ·RTD (λ = 50, Clark et al. 2020)."""
+
+    name = "electra"
+    why = "replaced-token detection classifies every token with both-side context, so it needs an encoder;"
+
+    def __init__(self, cfg, model_cfg, tokenizer, *, model=None):
+        super().__init__(cfg, model_cfg, tokenizer)
+        from ..model import TransformerLM
+
+        s = cfg.generator_scale
+        heads = max(1, round(model_cfg.n_heads * s))
+        dim = max(heads, int(model_cfg.dim * s) // heads * heads)
+        gen_cfg = model_cfg.replace(dim=dim, n_heads=heads, n_kv_heads=None, head_dim=None,
+                                    ffn_dim=max(1, int(model_cfg.ffn_dim * s)), head="mlm", pooler=False,
+                                    embed_dim=model_cfg.embedding_dim if model_cfg.embedding_dim != dim else None)
+        self.generator = TransformerLM(gen_cfg)  # ELECTRA: generator ~1/4 of the discriminator's width
+        self.rtd_head = RTDHead(model_cfg.dim, model_cfg.head_act)
+        if model is not None:
+            self.share_embeddings(model)
+
+    def share_embeddings(self, model) -> None:
+        """Tie the generator's token (and position/segment) embeddings to the discriminator's."""
+        g, m = self.generator.transformer, model.transformer
+        g.embed = m.embed
+        if getattr(self.generator.head, "weight", None) is not None and self.model_cfg.tie_embeddings:
+            self.generator.head.weight = m.embed.weight
+        gs, ms = g.input_stack, m.input_stack
+        for part in ("position", "token_type"):  # both are sized by embedding_dim, which the two share
+            mod = getattr(ms, part)
+            if mod is not None and any(True for _ in mod.parameters()):
+                setattr(gs, part, mod)
+
+    def counts(self, batch):
+        return {"mlm": int((batch["labels"] != IGNORE).sum()), "rtd": int(batch["attention_mask"].sum())}
+
+    def loss(self, model, batch, totals):
+        # generator: masked LM on the corrupted input
+        h, s_mlm, correct = self._mlm(self.generator, batch)
+        selected = batch["labels"] != IGNORE
+        with torch.no_grad():
+            logits = self.generator.head(h.detach()[selected]).float()  # (N, vocab)
+        original, corrupted, is_replaced = self.replace(batch, logits)
+        hd = model.transformer.encode(corrupted, batch["attention_mask"])  # (B, T, dim)
+        rtd_logits = self.rtd_head(hd).squeeze(-1).float()  # (B, T)
+        real = batch["attention_mask"].bool()
+        s_rtd = nn.functional.binary_cross_entropy_with_logits(rtd_logits[real], is_replaced[real], reduction="sum")
+        rtd_correct = ((rtd_logits[real] > 0).float() == is_replaced[real]).sum()
+        lam = self.cfg.electra_lambda
+        loss = s_mlm / totals["mlm"] + lam * s_rtd / totals["rtd"]
+        return loss, {"mlm_loss": float(s_mlm.detach()), "mlm_correct": float(correct),
+                      "rtd_loss": float(s_rtd.detach()), "rtd_correct": float(rtd_correct),
+                      "replaced": float(is_replaced[real].sum())}
+
+    @staticmethod
+    @torch.no_grad()
+    def replace(batch, gen_logits: torch.Tensor):
+        """Fill the masked positions with samples from the generator's distribution (no gradient flows
+        through sampling, as in the paper). Returns (original, corrupted, is_replaced) with
+        is_replaced = (corrupted != original) as float — a sample equal to the original counts as original.
+        gen_logits: (N_selected, vocab) at the positions where labels != -100."""
+        selected = batch["labels"] != IGNORE
+        original = torch.where(selected, batch["labels"], batch["input_ids"])  # (B, T)
+        sampled = torch.multinomial(torch.softmax(gen_logits.float(), -1), 1).squeeze(-1)  # (N,)
+        corrupted = original.clone()
+        corrupted[selected] = sampled
+        return original, corrupted, (corrupted != original).float()

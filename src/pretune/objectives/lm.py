@@ -1,0 +1,53 @@
+"""Language-modelling objectives: causal LM (GPT) and the shared LM-head loss used by the seq2seq ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..model.heads import LMHead
+from .base import IGNORE, Objective, summed_ce
+from .fused_ce import fused_linear_cross_entropy
+
+
+def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,
+                n_valid: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum of next-token cross-entropies, correct predictions or None) for hidden states h (N, dim)
+    against targets (N,) with -100 ignored. A plain (tied) linear head is fused with the loss, so the
+    (N, vocab) logits never exist; then accuracy is not computed (None)."""
+    head = model.head
+    if isinstance(head, LMHead) and head.proj is None:
+        if head.scale is not None:
+            h = h * head.scale
+        return fused_linear_cross_entropy(h, head.weight, targets) * n_valid, None
+    return summed_ce(head(h), targets)
+
+
+class CausalLM(Objective):
+    """GPT: predict w_t from w_<t over packed blocks (documents separated by EOS)."""
+
+    name = "clm"
+    archs = ("decoder",)
+    why = "causal LM predicts each token from the ones before it with a single causal stack;"
+    corrupts = False
+
+    def doc_separator(self):
+        return self.tok.eos_id if self.tok.eos_id is not None else self.tok.sep_id
+
+    def example(self, block, rng, random_block):
+        ids = block.tokens.astype(np.int64)
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+    def counts(self, batch):
+        return {"lm": int(batch["attention_mask"][:, 1:].sum())}
+
+    def loss(self, model, batch, totals):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        h = model.transformer.decode(ids, mask)  # (B, T, dim)
+        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE).reshape(-1)  # (B*(T-1),)
+        n = int((targets != IGNORE).sum())
+        s, correct = lm_loss_sum(model, h[:, :-1].reshape(-1, h.shape[-1]), targets, n)
+        stats = {"lm_loss": float(s.detach())}
+        if correct is not None:
+            stats["lm_correct"] = float(correct)
+        return s / totals["lm"], stats

@@ -1,0 +1,207 @@
+"""Text-to-text objectives: T5's span corruption and its variants, BART denoising, prefix LM.
+
+Each turns a block into a (source, target) pair. An encoder-decoder reads ``source + EOS`` and
+predicts ``target + EOS`` (decoder input = start token + target). A decoder-only model reads
+``source [SEP] target EOS`` as one sequence with a prefix-LM mask (bidirectional over the source,
+as in T5's decoder-only variants, Raffel et al. 2019 §3.2.1) and is trained on the target part.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ConfigError
+from . import bart, t5
+from .base import IGNORE, Objective
+from .lm import lm_loss_sum
+
+
+class Seq2Seq(Objective):
+    """Base: ``corrupt(tokens, rng, block) -> (source, target)``; subclasses define the corruption."""
+
+    archs = ("encoder-decoder", "decoder")
+    why = "it maps a corrupted input to a target text, which needs a decoder;"
+
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
+        if self.eos is None:
+            raise ConfigError(f"objective {self.name!r} needs an EOS (or SEP) token; the tokenizer has neither")
+        self.start = model_cfg.decoder_start_token_id
+
+    def n_special_tokens(self) -> int:
+        return 1
+
+    def block_size(self, max_seq_len: int) -> int:
+        if self.model_cfg.arch == "decoder":  # source and target share one sequence
+            return (max_seq_len - 2) // 2
+        return max_seq_len - 1
+
+    def doc_separator(self):
+        return self.eos
+
+    def corrupt(self, tokens: np.ndarray, rng: np.random.Generator, block) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def example(self, block, rng, random_block):
+        src, tgt = self.corrupt(block.tokens.astype(np.int64), rng, block)
+        src, tgt = src.astype(np.int64), tgt.astype(np.int64)
+        eos = np.array([self.eos], dtype=np.int64)
+        if self.model_cfg.arch == "decoder":
+            return self._decoder_example(src, tgt, eos)
+        source = np.concatenate([src, eos])
+        target = np.concatenate([tgt, eos])
+        return {"input_ids": source, "attention_mask": np.ones_like(source),
+                "decoder_input_ids": np.concatenate([[self.start], target[:-1]]).astype(np.int64),
+                "decoder_attention_mask": np.ones_like(target), "labels": target}
+
+    def _decoder_example(self, src, tgt, eos):
+        ids = np.concatenate([src, eos, tgt, eos])
+        prefix = len(src) + 1
+        labels = ids.copy()
+        labels[:prefix] = IGNORE
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels,
+                "prefix_lengths": np.int64(prefix)}
+
+    def counts(self, batch):
+        labels = batch["labels"]
+        if self.model_cfg.arch == "decoder":
+            labels = labels[:, 1:]
+        return {"lm": int((labels != IGNORE).sum())}
+
+    def loss(self, model, batch, totals):
+        tr = model.transformer
+        if self.model_cfg.arch == "decoder":
+            h = tr.decode(batch["input_ids"], batch["attention_mask"], prefix_lengths=batch["prefix_lengths"])
+            h, targets = h[:, :-1], batch["labels"][:, 1:]
+        else:
+            memory = tr.encode(batch["input_ids"], batch["attention_mask"])  # (B, S, dim)
+            h = tr.decode(batch["decoder_input_ids"], batch["decoder_attention_mask"], memory=memory,
+                          memory_mask=batch["attention_mask"])  # (B, T, dim)
+            targets = batch["labels"]
+        targets = targets.reshape(-1)
+        n = int((targets != IGNORE).sum())
+        s, correct = lm_loss_sum(model, h.reshape(-1, h.shape[-1]), targets, n)
+        stats = {"lm_loss": float(s.detach())}
+        if correct is not None:
+            stats["lm_correct"] = float(correct)
+        return s / totals["lm"], stats
+
+
+def _sentinels(tok, name: str) -> list[int]:
+    if not tok.sentinel_ids:
+        raise ConfigError(f"objective {name!r} needs T5 sentinel tokens <extra_id_0>, <extra_id_1>, ... but the "
+                          f"tokenizer has none; train one with `pretune tokenizer train --kind unigram` (T5 specials) "
+                          f"or pass --sentinels 100")
+    return list(tok.sentinel_ids)
+
+
+def _mask_id(tok, name: str) -> int:
+    if tok.mask_id is not None:
+        return int(tok.mask_id)
+    if tok.sentinel_ids:
+        return int(tok.sentinel_ids[0])  # T5-style vocabularies have no [MASK]: a sentinel plays its part
+    raise ConfigError(f"objective {name!r} needs a mask token ([MASK]/<mask>) or T5 sentinels; "
+                      "the tokenizer has neither")
+
+
+class SpanCorruption(Seq2Seq):
+    """T5: spans (mean length 3) covering 15% of tokens → one sentinel each; target = sentinel + span ..."""
+
+    name = "span"
+
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.sentinels = _sentinels(tokenizer, self.name)
+
+    def corrupt(self, tokens, rng, block):
+        return t5.span_corruption(tokens, rng, sentinel_ids=self.sentinels, noise_density=self.cfg.rate,
+                                  mean_span=self.cfg.mean_span)
+
+
+class IidSpans(SpanCorruption):
+    """T5 "i.i.d. noise, replace spans": tokens noised independently; consecutive ones share a sentinel."""
+
+    name = "iid_spans"
+
+    def corrupt(self, tokens, rng, block):
+        return t5.iid_replace_spans(tokens, rng, sentinel_ids=self.sentinels, noise_density=self.cfg.rate)
+
+
+class BertStyle(Seq2Seq):
+    """T5 "BERT-style": 15% of tokens → 80% mask / 10% random / 10% kept; target = the original text."""
+
+    name = "bert_style"
+
+    def corrupt(self, tokens, rng, block):
+        return t5.bert_style(tokens, rng, mask_id=_mask_id(self.tok, self.name), vocab_size=self.tok.vocab_size,
+                             noise_density=self.cfg.rate, special_ids=self.special_ids)
+
+
+class IidMask(Seq2Seq):
+    """T5 "i.i.d. noise, mask tokens": each noised token → mask; target = the original text."""
+
+    name = "iid_mask"
+
+    def corrupt(self, tokens, rng, block):
+        return t5.iid_mask_tokens(tokens, rng, mask_id=_mask_id(self.tok, self.name), noise_density=self.cfg.rate)
+
+
+class DropTokens(Seq2Seq):
+    """T5 "i.i.d. noise, drop tokens": noised tokens removed from the input; target = the dropped tokens."""
+
+    name = "drop_tokens"
+
+    def corrupt(self, tokens, rng, block):
+        return t5.drop_tokens(tokens, rng, noise_density=self.cfg.rate)
+
+
+class Deshuffle(Seq2Seq):
+    """T5 "deshuffling": input = the tokens in random order; target = the original text."""
+
+    name = "deshuffle"
+
+    def corrupt(self, tokens, rng, block):
+        return t5.deshuffle(tokens, rng)
+
+
+class Denoise(Seq2Seq):
+    """BART: masking, deletion, Poisson(λ) infilling, sentence permutation, rotation; target = original."""
+
+    name = "denoise"
+
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.noise = bart.DenoiseConfig(mask_ratio=cfg.mask_ratio, delete_ratio=cfg.delete_ratio,
+                                        infill_ratio=cfg.infill_ratio, poisson_lambda=cfg.poisson_lambda,
+                                        permute_sentences=cfg.permute_sentences, rotate=cfg.rotate)
+        needs_mask = cfg.mask_ratio > 0 or cfg.infill_ratio > 0
+        self.mask = _mask_id(tokenizer, self.name) if needs_mask else None
+        self.word_start_vocab = tokenizer.word_start_mask() if cfg.rotate else None
+
+    def corrupt(self, tokens, rng, block):
+        starts = np.asarray(block.sent_starts, dtype=np.int64)
+        words = self.word_start_vocab[tokens] if self.word_start_vocab is not None else None
+        return bart.denoise(tokens, rng, self.noise, mask_id=self.mask, sent_starts=starts, word_starts=words)
+
+
+class PrefixLM(Seq2Seq):
+    """LM on (prefix → continuation): split each block; the model reads the prefix and predicts the rest.
+    Decoder-only: one sequence with a bidirectional prefix (no separator); encoder-decoder: prefix → encoder."""
+
+    name = "prefix_lm"
+    why = "the continuation is generated by a decoder;"
+    corrupts = True  # the split point is random
+
+    def block_size(self, max_seq_len: int) -> int:
+        return max_seq_len if self.model_cfg.arch == "decoder" else max_seq_len - 1
+
+    def corrupt(self, tokens, rng, block):
+        return t5.prefix_lm_split(tokens, rng, split=self.cfg.prefix_split or None)
+
+    def _decoder_example(self, src, tgt, eos):
+        ids = np.concatenate([src, tgt])
+        labels = ids.copy()
+        labels[: len(src)] = IGNORE
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels,
+                "prefix_lengths": np.int64(len(src))}

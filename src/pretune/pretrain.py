@@ -1,0 +1,215 @@
+"""``pretune pretrain``: raw text → tokenizer → token store → packed blocks → objective → trained checkpoint.
+
+    cfg = load_run_config("configs/pretrain/mlm-bert.yaml", ["train.steps=200"])
+    result = pretrain(cfg)            # result.model_dir holds the finetunable checkpoint
+
+Under ``torchrun --nproc_per_node N`` the same call trains with DDP: rank 0 builds the token store,
+every rank reads its own shard of each global batch, rank 0 writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+from .runconfig import RunConfig
+
+MIN_BLOCK = 4  # shortest block used for training (tokens, before special tokens)
+
+
+@dataclass
+class PretrainResult:
+    run_dir: Path
+    model_dir: Path
+    steps: int
+    train_loss: float
+    eval: dict
+    seconds: float
+    tokens: int
+
+
+def _store_key(cfg: RunConfig, tok_sha: str, sources: list[str]) -> str:
+    d = cfg.data
+    blob = json.dumps({"tok": tok_sha, "src": sources, "field": d.field, "split": d.doc_split, "clean": d.clean,
+                       "errors": d.errors}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def build_token_store(cfg: RunConfig, tokenizer, sources: list[str], out_dir: Path, *, show_progress: bool = True):
+    """Tokenize ``sources`` into a token store at ``out_dir`` (resumable; reused when already complete)."""
+    from .data.readers import count_bytes, expand_sources, iter_documents
+    from .data.store import build_store
+    from .tokenize import tokenizer_sha
+
+    d = cfg.data
+    paths = expand_sources(sources)
+    docs = iter_documents(paths, field=d.field, doc_split=d.doc_split, errors=d.errors)
+    if d.clean:
+        from .data.clean import CleanConfig, clean_documents
+
+        docs = clean_documents(docs, CleanConfig())
+    sha = tokenizer_sha(tokenizer)
+    desc = _store_key(cfg, sha, [str(p) for p in paths])
+    return build_store(docs, tokenizer.tk, out_dir, tokenizer_sha=sha, source_desc=desc,
+                       total_bytes=count_bytes(paths), show_progress=show_progress)
+
+
+def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
+    """Load the tokenizer, build the model and objective, tokenize and pack the data.
+
+    Returns (tokenizer, model, objective, ExampleSet, block_size)."""
+    from .data.packing import pack_blocks, split_index
+    from .model import TransformerLM
+    from .objectives import OBJECTIVES, build_objective
+    from .tokenize import Tokenizer
+    from .train.dist import DistInfo, barrier
+    from .train.loop import ExampleSet
+
+    dist = dist or DistInfo()
+    if not cfg.tokenizer:
+        raise ConfigError("no tokenizer: set tokenizer=PATH (a tokenizer.json from `pretune tokenizer train`, "
+                          "or a checkpoint/HF folder holding one)")
+    if not cfg.data.train:
+        raise ConfigError("no training data: set data.train=[FILES] (text, JSONL, CSV/TSV, Parquet, .gz; "
+                          "folders and globs work)")
+    tok = Tokenizer.load(cfg.tokenizer)
+    init = cfg.model.get("init")
+    torch.manual_seed(cfg.train.seed)
+    if init:
+        model = _load_init(init)
+        if model.config.vocab_size < tok.vocab_size:
+            raise ConfigError(f"model.init {init} has vocab_size {model.config.vocab_size} but the tokenizer has "
+                              f"{tok.vocab_size} tokens: use the checkpoint's own tokenizer")
+    else:
+        extra = {"pad_token_id": tok.pad_id if tok.pad_id is not None else 0}
+        if "decoder_start_token_id" not in cfg.model:
+            start = tok.pad_id if tok.pad_id is not None else tok.bos_id  # T5: decoding starts from the pad token
+            extra["decoder_start_token_id"] = start if start is not None else 0
+        mcfg = cfg.model_config(vocab_size=tok.vocab_size, **{k: v for k, v in extra.items() if k not in cfg.model})
+        if mcfg.vocab_size < tok.vocab_size:
+            raise ConfigError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary "
+                              f"({tok.vocab_size} tokens)")
+        model = TransformerLM(mcfg)
+    mcfg = model.config
+    if cfg.objective.name not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {cfg.objective.name!r}; choose one of {list(OBJECTIVES)}")
+    objective = build_objective(cfg.objective, model, tok)
+
+    longest = objective.block_size(mcfg.max_seq_len)
+    block_size = cfg.data.block_size or longest
+    if block_size > longest:
+        raise ConfigError(f"data.block_size={block_size} does not fit the model: objective {objective.name!r} adds "
+                          f"{mcfg.max_seq_len - longest} token(s) (special tokens / target) and model.max_seq_len is "
+                          f"{mcfg.max_seq_len}, so blocks can hold at most {longest} tokens")
+
+    run_dir = Path(cfg.train.out)
+    store_dir = Path(cfg.data.store) if cfg.data.store else run_dir / "data"
+    stores = {}
+    for split, sources in (("train", cfg.data.train), ("eval", cfg.data.eval)):
+        if not sources:
+            continue
+        path = store_dir / split
+        if dist.is_main:
+            build_token_store(cfg, tok, list(sources), path, show_progress=show_progress)
+        barrier(dist)
+        from .data.store import TokenStore
+
+        stores[split] = TokenStore.open(path)
+    sep = objective.doc_separator()
+    train_index = pack_blocks(stores["train"], block_size=block_size, mode=cfg.data.packing, doc_sep_id=sep)
+    if "eval" in stores:
+        eval_index = pack_blocks(stores["eval"], block_size=block_size, mode=cfg.data.packing, doc_sep_id=sep)
+        n_train = len(train_index)
+        ids_train = np.arange(n_train)
+        ids_eval = np.arange(n_train, n_train + min(len(eval_index), cfg.data.eval_max))
+
+        def get(i: int):
+            return train_index[i] if i < n_train else eval_index[i - n_train]
+
+        lengths = np.concatenate([train_index.lengths, eval_index.lengths])
+    else:
+        n = len(train_index)
+        n_eval = 0 if cfg.data.eval_fraction == 0 else min(max(1, round(n * cfg.data.eval_fraction)), cfg.data.eval_max)
+        if n - n_eval < 1:
+            raise ConfigError(f"the training data packs into only {n} block(s) of {block_size} tokens: add data or "
+                              "lower data.block_size")
+        ids_train, ids_eval = split_index(train_index, eval_blocks=n_eval, seed=cfg.train.seed)
+        get = train_index.__getitem__
+        lengths = train_index.lengths
+    # degenerate blocks (a 1-3 token document tail) carry no signal and break pair/span objectives
+    ids_train = np.asarray(ids_train)[lengths[np.asarray(ids_train)] >= MIN_BLOCK]
+    ids_eval = np.asarray(ids_eval, dtype=np.int64)
+    ids_eval = ids_eval[lengths[ids_eval] >= MIN_BLOCK] if len(ids_eval) else ids_eval
+    data = ExampleSet(get=get, train_ids=ids_train, eval_ids=ids_eval, lengths=lengths)
+    return tok, model, objective, data, block_size
+
+
+def _load_init(path: str):
+    from . import from_hf, load
+    from .interop import read_hf_config
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"model.init={path!r}: no such checkpoint folder")
+    if (p / "config.json").is_file() and "model_type" in read_hf_config(p):
+        return from_hf(p)
+    return load(p)
+
+
+def pretrain(cfg: RunConfig, *, resume: bool = False, show_progress: bool = True, log=print) -> PretrainResult:
+    """Run a whole pretraining job described by ``cfg`` (see runconfig.py); returns where the model went.
+
+    With ``resume=True`` the newest checkpoint in ``<train.out>/checkpoints`` is restored and training
+    continues exactly (same data order, corruption and dropout as an uninterrupted run)."""
+    from .checkpoint import save
+    from .model import count_parameters
+    from .train.dist import barrier, init_distributed, shutdown
+    from .train.loop import Trainer
+
+    dist = init_distributed()
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if dist.device.type == "cpu":
+        torch.set_flush_denormal(True)  # denormal softmax gradients can slow CPU matmuls ~20x
+    run_dir = Path(cfg.train.out)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, or choose "
+                              "another train.out")
+    tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
+    if dist.is_main:
+        cfg.save(run_dir / "run.yaml")
+        counts = count_parameters(model)
+        extra = sum(p.numel() for p in objective.parameters() if all(p is not q for q in model.parameters()))
+        log(f"pretune pretrain: {cfg.objective.name} on {model.config.arch} model "
+            f"({counts['total'] / 1e6:.2f}M parameters{f' + {extra / 1e6:.2f}M objective-only' if extra else ''}), "
+            f"{len(data.train_ids)} train / {len(data.eval_ids)} eval blocks of ≤ {block_size} tokens, "
+            f"{dist.world} process(es) -> {run_dir}")
+    trainer = Trainer(model=model, objective=objective, data=data, cfg=cfg.train, run_dir=run_dir, tokenizer=tok,
+                      dist=dist, bucket=cfg.data.bucket, run_config=cfg, show_progress=show_progress)
+    try:
+        result = trainer.fit(resume=resume, log=log)
+        model_dir = run_dir / "model"
+        if dist.is_main:
+            save(objective.finetunable(model), model_dir, tokenizer=tok)
+            cfg.save(model_dir / "run.yaml")
+            if cfg.train.plot and (run_dir / "metrics.jsonl").is_file():
+                from .train.logging import plot_losses
+
+                plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png",
+                            title=f"{cfg.objective.name} · {model.config.arch}")
+        barrier(dist)
+    finally:
+        shutdown(dist)
+    if dist.is_main:
+        log(f"model -> {model_dir}  ({result.step} steps, {result.seconds:.1f}s, "
+            f"{result.tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
+    return PretrainResult(run_dir=run_dir, model_dir=model_dir, steps=result.step, train_loss=result.train_loss,
+                          eval=result.eval, seconds=result.seconds, tokens=result.tokens)

@@ -1,0 +1,252 @@
+"""Run configs for pretraining: ``model`` / ``tokenizer`` / ``data`` / ``objective`` / ``train`` sections.
+
+Precedence: preset → YAML file → command-line ``--section.key=value`` overrides. OmegaConf reads and
+merges the YAML and dot-list layers (types, interpolation); every section is then validated by its
+typed dataclass below, so an unknown key or a bad value is an error naming the nearest valid one.
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from .config import ConfigError, ModelConfig, _did_you_mean
+
+OBJECTIVES = ("clm", "prefix_lm", "mlm", "nsp", "sop", "electra", "span", "iid_spans", "bert_style", "iid_mask",
+              "drop_tokens", "deshuffle", "denoise")
+
+
+@dataclass
+class DataConfig:
+    """Where the pretraining text comes from and how it becomes fixed-length blocks."""
+
+    train: list[str] = field(default_factory=list)  # text files, folders or globs (.txt/.jsonl/.csv/.tsv/.parquet, .gz)
+    eval: list[str] = field(default_factory=list)  # held-out sources; empty: hold out eval_fraction of the blocks
+    eval_fraction: float = 0.01  # share of blocks held out when `eval` is empty (at least 1 block, at most eval_max)
+    eval_max: int = 512  # cap on held-out blocks, so evaluation stays cheap on a large corpus
+    field: str = "text"  # JSONL/CSV/Parquet column holding the text
+    doc_split: Literal["blank_line", "line", "file"] = "blank_line"  # what a document is in plain-text files
+    errors: Literal["strict", "replace"] = "strict"  # non-UTF-8 bytes: stop with file+offset, or replace with U+FFFD
+    clean: bool = False  # apply the C4 cleaning rules (pretune data clean) before tokenizing
+    store: str = ""  # token store folder; empty: <train.out>/data (built once, resumable, reused by --resume)
+    block_size: int = 0  # tokens per block before the objective's special tokens; 0: as many as the model allows
+    packing: Literal["full", "doc"] = "full"  # RoBERTa FULL-SENTENCES (cross documents) or DOC-SENTENCES (never)
+    bucket: bool = False  # batch blocks of similar length together (useful with packing=doc: less padding)
+
+
+@dataclass
+class ObjectiveConfig:
+    """The pretraining objective and its knobs; each objective reads the fields that concern it."""
+
+    name: str = "mlm"  # one of OBJECTIVES below; `pretune pretrain --help` says which architectures serve which
+    rate: float = 0.15  # share of tokens masked / corrupted (BERT and T5: 15%)
+    mask_prob: float = 0.8  # of the selected tokens: replaced by [MASK] (BERT: 80%)
+    random_prob: float = 0.1  # ... replaced by a random token (10%); the rest stay unchanged
+    dynamic: bool = True  # new corruption every time a block is seen (RoBERTa) vs the same one every epoch (static)
+    whole_word: bool = False  # mask all subwords of a chosen word together
+    span_masking: bool = False  # SpanBERT: mask spans of whole words, lengths ~ Geometric(0.2) clipped at 10
+    mean_span: float = 3.0  # T5 span corruption: mean span length
+    electra_lambda: float = 50.0  # ELECTRA: weight of the replaced-token-detection loss (paper: 50)
+    generator_scale: float = 0.25  # ELECTRA: generator width (dim, ffn, heads) as a fraction of the discriminator's
+    infill_ratio: float = 0.3  # BART text infilling: share of tokens covered by Poisson spans
+    poisson_lambda: float = 3.0  # BART text infilling: mean span length
+    mask_ratio: float = 0.0  # BART token masking
+    delete_ratio: float = 0.0  # BART token deletion
+    permute_sentences: bool = True  # BART sentence permutation
+    rotate: bool = False  # BART document rotation
+    prefix_split: float = 0.0  # prefix LM: split point as a fraction of the block; 0: uniform at random
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop (shared by pretraining and finetuning)."""
+
+    out: str = "runs/pretrain"  # run folder: checkpoints/, model/, metrics.jsonl, tb/, loss.png
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 32  # examples per optimizer step, summed over processes and accumulation micro-batches
+    grad_accum: int = 1  # micro-batches per step; the loss is normalised by target tokens across all of them
+    lr: float = 5e-4  # peak learning rate
+    weight_decay: float = 0.01  # AdamW decoupled weight decay (not on biases and norms)
+    beta1: float = 0.9  # AdamW β1
+    beta2: float = 0.999  # AdamW β2 (RoBERTa: 0.98 for large batches)
+    eps: float = 1e-8  # AdamW ε
+    amsgrad: bool = False  # AMSGrad variant: keep the max of the second-moment estimates
+    schedule: Literal["linear", "cosine", "constant", "inverse_sqrt"] = "linear"  # after warmup; inverse_sqrt = T5
+    warmup_steps: int = 0  # linear warmup (inverse_sqrt: constant lr for these steps, as T5)
+    min_lr_ratio: float = 0.0  # linear/cosine decay floor as a fraction of lr
+    clip: float = 1.0  # gradient-norm clipping; 0 disables
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls to bfloat16, fp32 master weights
+    compile: bool = False  # torch.compile each transformer block (slow first steps, faster after)
+    eval_every: int = 200  # evaluate every N steps (and at the end); 0: only at the end
+    eval_batches: int = 0  # cap on evaluation batches; 0: the whole held-out set
+    save_every: int = 500  # write a resumable checkpoint every N steps (and at the end); 0: only at the end
+    keep_last: int = 2  # checkpoints kept in <out>/checkpoints
+    log_every: int = 10  # training metrics to metrics.jsonl / TensorBoard every N steps
+    seed: int = 0  # model init, data order and corruption
+    threads: int = 0  # torch CPU threads; 0: torch's default
+    tensorboard: bool = True  # also write TensorBoard scalars to <out>/tb
+    plot: bool = True  # draw <out>/loss.png at the end
+
+
+@dataclass
+class RunConfig:
+    """A whole pretraining run. ``model`` is a preset name plus field overrides, or an ``init`` checkpoint."""
+
+    model: dict = field(default_factory=lambda: {"preset": "tiny-bert-base"})
+    tokenizer: str = ""  # tokenizer.json (pretune tokenizer train) or a folder holding one
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    SECTIONS = {"data": DataConfig, "objective": ObjectiveConfig, "train": TrainConfig}
+
+    def to_dict(self) -> dict:
+        return {"model": dict(self.model), "tokenizer": self.tokenizer,
+                **{k: dataclasses.asdict(getattr(self, k)) for k in self.SECTIONS}}
+
+    def model_config(self, vocab_size: int | None = None, **extra: Any) -> ModelConfig:
+        """The ModelConfig: preset (``model.preset``) with the other ``model.*`` keys as overrides."""
+        from .presets import get_preset
+
+        spec = dict(self.model)
+        preset = spec.pop("preset", None)
+        spec.pop("init", None)
+        if vocab_size is not None:
+            spec.setdefault("vocab_size", vocab_size)
+        spec.update(extra)
+        if preset:
+            return get_preset(preset, **spec)
+        return ModelConfig.from_dict(spec)
+
+    def save(self, path: str | Path) -> None:
+        from omegaconf import OmegaConf
+
+        Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(self.to_dict())))
+
+
+def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
+    where = f"{section}.{name}"
+    origin = get_origin(tp)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{where}={value!r} is not one of {list(get_args(tp))}"
+                              f"{_did_you_mean(str(value), [str(a) for a in get_args(tp)])}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [str(v) for v in value]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _section(section: str, cls: type, values: dict) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    out = {}
+    for k, v in values.items():
+        if k not in names:
+            raise ConfigError(f"unknown key {section}.{k}{_did_you_mean(k, names)}")
+        out[k] = _check_type(section, k, v, hints[k])
+    return cls(**out)
+
+
+def _validate(cfg: RunConfig) -> RunConfig:
+    o, t, d = cfg.objective, cfg.train, cfg.data
+    if o.name not in OBJECTIVES:
+        raise ConfigError(f"objective.name={o.name!r} is not one of {list(OBJECTIVES)}"
+                          f"{_did_you_mean(o.name, OBJECTIVES)}")
+    for name in ("rate", "infill_ratio", "mask_ratio", "delete_ratio"):
+        v = getattr(o, name)
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"objective.{name}={v} must be in [0, 1)")
+    if not 0 < o.rate:
+        raise ConfigError(f"objective.rate={o.rate} must be > 0")
+    if o.mask_prob + o.random_prob > 1.0 + 1e-9 or min(o.mask_prob, o.random_prob) < 0:
+        raise ConfigError(f"objective.mask_prob ({o.mask_prob}) + random_prob ({o.random_prob}) must be within [0, 1]")
+    if t.steps < 1 or t.batch_size < 1 or t.grad_accum < 1:
+        raise ConfigError(f"train.steps ({t.steps}), batch_size ({t.batch_size}) and grad_accum ({t.grad_accum}) "
+                          "must be ≥ 1")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be > 0")
+    if d.block_size < 0:
+        raise ConfigError(f"data.block_size={d.block_size} must be ≥ 0 (0 = as long as the model allows)")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    if not isinstance(cfg.model, dict):
+        raise ConfigError(f"model must be a mapping (preset: NAME, field: value, ...), got {cfg.model!r}")
+    return cfg
+
+
+def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                    base: dict | None = None) -> RunConfig:
+    """Build a RunConfig from defaults ← ``base`` ← YAML file ← ``section.key=value`` overrides.
+
+    Args:
+        yaml_file: optional YAML with top-level sections model/tokenizer/data/objective/train.
+        overrides: dot-list strings, e.g. ``["train.lr=1e-3", "model.preset=tiny-gpt2", "data.train=[a.txt,b.txt]"]``
+            (a leading ``--`` is accepted).
+        base: a dict merged before the YAML file (the CLI's convenience flags).
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers = [OmegaConf.create(RunConfig().to_dict())]
+    if base:
+        layers.append(OmegaConf.create(base))
+    if yaml_file is not None:
+        path = Path(yaml_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = OmegaConf.load(path)
+        except (OmegaConfBaseException, ValueError) as e:
+            raise ConfigError(f"{path}: not a valid YAML config: {e}") from None
+        if not OmegaConf.is_dict(loaded):
+            raise ConfigError(f"{path}: expected a mapping of sections (model, tokenizer, data, objective, train)")
+        if isinstance(loaded.get("model"), str):  # `model: tiny-gpt2` is short for `model: {preset: tiny-gpt2}`
+            loaded.model = {"preset": loaded.model}
+        layers.append(loaded)
+    dots = [o[2:] if o.startswith("--") else o for o in overrides]
+    for o in dots:
+        if "=" not in o:
+            raise ConfigError(f"override {o!r} must look like section.key=value (e.g. train.lr=1e-3)")
+    try:
+        if dots:
+            layers.append(OmegaConf.from_dotlist(dots))
+        # the model section is free-form (validated by ModelConfig); a preset change resets its overrides
+        merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from None
+    top = ["model", "tokenizer", *RunConfig.SECTIONS]
+    for k in merged:
+        if k not in top:
+            raise ConfigError(f"unknown config section {k!r}{_did_you_mean(str(k), top)}")
+    model = merged.get("model") or {}
+    if isinstance(model, str):
+        model = {"preset": model}
+    cfg = RunConfig(model=dict(model), tokenizer=str(merged.get("tokenizer") or ""),
+                    **{k: _section(k, cls, merged.get(k) or {}) for k, cls in RunConfig.SECTIONS.items()})
+    return _validate(cfg)

@@ -1,0 +1,348 @@
+"""The training loop shared by pretraining and finetuning.
+
+One optimizer step = one global batch of ``train.batch_size`` examples, split over processes (DDP) and
+``grad_accum`` micro-batches. Every loss term is divided by its number of targets in the *whole*
+global batch (counted before the forward passes and summed over processes), so accumulation and
+DDP give the same update as the big batch. Data order and corruption are pure functions of
+(seed, epoch, example id), so a resumed run replays exactly what an uninterrupted one sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .dist import DistInfo, all_gather_objects, all_reduce_sum, barrier
+from .state import list_checkpoints, load_training_state, save_training_state
+
+EVAL_EPOCH = 2**31 - 1  # the "epoch" evaluation examples are corrupted with: fixed, never a training epoch
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss: the run stops; the last good checkpoint is kept."""
+
+
+@dataclass
+class ExampleSet:
+    """Examples addressed by integer id: ``get(id) -> block-like`` plus the ids of each split."""
+
+    get: Callable[[int], object]
+    train_ids: np.ndarray
+    eval_ids: np.ndarray
+    lengths: np.ndarray | None = None  # per id (for length bucketing); indexable by id
+
+
+@dataclass
+class TrainResult:
+    step: int
+    train_loss: float
+    eval: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    tokens: int = 0
+    run_dir: Path | None = None
+    checkpoint: Path | None = None
+
+
+class _LossModule(nn.Module):
+    """Model + objective as one module, so DDP sees every parameter and every forward."""
+
+    def __init__(self, model: nn.Module, objective: nn.Module):
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, batch, totals):
+        return self.objective.loss(self.model, batch, totals)
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()} if device.type != "cpu" else batch
+
+
+class Trainer:
+    """Runs ``cfg.steps`` optimizer steps of ``objective`` on ``model`` over ``data``.
+
+    Args:
+        model: the TransformerLM being trained (the saved result).
+        objective: an Objective (data collation + loss terms; may own extra modules).
+        data: an :class:`ExampleSet`.
+        cfg: a ``TrainConfig`` (runconfig.py).
+        run_dir: where checkpoints/, metrics.jsonl, tb/ and loss.png go.
+        tokenizer: saved beside every checkpoint.
+        dist: process info from :func:`init_distributed`.
+        bucket: group examples of similar length into batches.
+        run_config: saved as run.yaml in each checkpoint.
+    """
+
+    def __init__(self, *, model, objective, data: ExampleSet, cfg, run_dir, tokenizer=None,
+                 dist: DistInfo | None = None, bucket: bool = False, run_config=None, show_progress: bool = True):
+        from .optim import build_optimizer, build_scheduler
+
+        self.model, self.objective, self.data, self.cfg = model, objective, data, cfg
+        self.run_dir = Path(run_dir)
+        self.tokenizer, self.run_config, self.bucket = tokenizer, run_config, bucket
+        self.dist = dist or DistInfo()
+        self.show_progress = show_progress
+        d = self.dist
+        if cfg.batch_size % (d.world * cfg.grad_accum):
+            raise ValueError(f"train.batch_size ({cfg.batch_size}) must be divisible by processes ({d.world}) x "
+                             f"grad_accum ({cfg.grad_accum})")
+        if len(data.train_ids) < cfg.batch_size:
+            raise ValueError(f"train.batch_size ({cfg.batch_size}) is larger than the training set "
+                             f"({len(data.train_ids)} examples): lower it or add data")
+        self.module = _LossModule(model, objective).to(d.device)
+        self.ddp = None
+        if d.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp = DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                           find_unused_parameters=True)
+        self.optimizer = build_optimizer([model, objective], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, warmup_steps=cfg.warmup_steps,
+                                         total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+        if cfg.compile:
+            for stack in (model.transformer.encoder, model.transformer.decoder):
+                if stack is not None:
+                    for block in stack.layers:
+                        block.compile()  # in place: state_dict keys unchanged
+        self.step = 0
+        self.position = {"epoch": 0, "batch": 0}
+        self._plan_epoch = None
+        self._plan: list[np.ndarray] = []
+
+    # -- data --------------------------------------------------------------------------------------
+    def _rng(self, example_id: int, epoch: int) -> np.random.Generator:
+        dynamic = getattr(self.objective, "corrupts", True) and getattr(self.objective.cfg, "dynamic", True)
+        return np.random.default_rng([self.cfg.seed, epoch if dynamic else 0, int(example_id)])
+
+    def _random_block(self, rng: np.random.Generator):
+        ids = self.data.train_ids
+        return self.data.get(int(ids[rng.integers(len(ids))]))
+
+    def make_batch(self, ids: Sequence[int], epoch: int) -> dict[str, torch.Tensor]:
+        """Collate the examples ``ids`` as seen in ``epoch`` (corruption depends only on seed, epoch, id)."""
+        examples = [self.objective.example(self.data.get(int(i)), self._rng(int(i), epoch), self._random_block)
+                    for i in ids]
+        return self.objective.collate(examples)
+
+    def _global_batch(self) -> tuple[np.ndarray, int]:
+        from ..data.packing import batch_plan
+
+        epoch, b = self.position["epoch"], self.position["batch"]
+        while True:
+            if self._plan_epoch != epoch:
+                lengths = self.data.lengths[self.data.train_ids] if self.bucket and self.data.lengths is not None \
+                    else None
+                plan = batch_plan(self.data.train_ids, batch_size=self.cfg.batch_size, epoch=epoch,
+                                  seed=self.cfg.seed, lengths=lengths, bucket=self.bucket)
+                self._plan, self._plan_epoch = plan, epoch
+            if b < len(self._plan):
+                break
+            epoch, b = epoch + 1, 0
+        self.position = {"epoch": epoch, "batch": b + 1}
+        return self._plan[b], epoch
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def _autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> dict:
+        cfg, d = self.cfg, self.dist
+        ids, epoch = self._global_batch()
+        per_rank = len(ids) // d.world
+        local = ids[d.rank * per_rank:(d.rank + 1) * per_rank]  # this process's shard of the global batch
+        micro = np.array_split(local, cfg.grad_accum)
+        batches = [self.make_batch(m, epoch) for m in micro]
+        counts = [self.objective.counts(b) for b in batches]
+        terms = sorted({k for c in counts for k in c})
+        local_totals = torch.tensor([[sum(c.get(k, 0) for c in counts) for k in terms]
+                                     + [sum(self.objective.tokens_in(b) for b in batches)]], dtype=torch.float64)
+        global_totals = all_reduce_sum(local_totals, d)[0]
+        totals = {k: max(float(global_totals[i]), 1.0) for i, k in enumerate(terms)}
+        n_tokens = int(global_totals[-1])
+        self.model.train()
+        self.objective.train()
+        net = self.ddp or self.module
+        loss_sum = 0.0
+        stats_sum: dict[str, float] = {}
+        for j, batch in enumerate(batches):
+            sync = self.ddp is None or j == len(batches) - 1
+            ctx = contextlib.nullcontext() if sync else self.ddp.no_sync()
+            with ctx:
+                with self._autocast():
+                    loss, stats = net(_to(batch, d.device), totals)
+                (loss * d.world).backward()  # DDP averages gradients over processes; we want their sum
+            loss_sum += float(loss.detach())
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + v
+        reduced = all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64), d)
+        step_loss = float(reduced[0])
+        if not math.isfinite(step_loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(f"non-finite loss ({step_loss}) at step {self.step + 1}")
+        grad_norm = None
+        if cfg.clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.clip))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        out = {"loss": step_loss, "lr": lr, "tokens": n_tokens, "epoch": epoch}
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        for k in terms:
+            if f"{k}_correct" in stats_sum:
+                out[f"{k}_acc"] = None  # filled below after reduction
+        keys = sorted(stats_sum)
+        vals = all_reduce_sum(torch.tensor([stats_sum[k] for k in keys], dtype=torch.float64), d)
+        red = dict(zip(keys, vals.tolist()))
+        for k in terms:
+            if f"{k}_loss" in red:
+                out[f"{k}_loss"] = red[f"{k}_loss"] / totals[k]
+            if f"{k}_correct" in red:
+                out[f"{k}_acc"] = red[f"{k}_correct"] / totals[k]
+        return out
+
+    # -- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss of every term over the held-out ids (sharded over processes), perplexity, accuracies."""
+        cfg, d = self.cfg, self.dist
+        ids = self.data.eval_ids
+        if len(ids) == 0:
+            return {}
+        bs = max(1, cfg.batch_size // cfg.grad_accum // d.world)
+        chunks = [ids[i:i + bs] for i in range(0, len(ids), bs)]
+        if cfg.eval_batches:
+            chunks = chunks[: cfg.eval_batches * d.world]
+        mine = chunks[d.rank::d.world]
+        self.model.eval()
+        self.objective.eval()
+        sums: dict[str, float] = {}
+        rng_state = torch.get_rng_state()  # evaluation must not move the training RNG (exact resume)
+        torch.manual_seed(cfg.seed)
+        for chunk in mine:
+            batch = self.make_batch(chunk, epoch=EVAL_EPOCH)  # the same corruption at every evaluation
+            counts = self.objective.counts(batch)
+            with self._autocast():
+                _, stats = self.module(_to(batch, d.device), {k: 1.0 for k in counts})
+            for k, v in list(stats.items()) + [(f"{k}_n", float(n)) for k, n in counts.items()]:
+                sums[k] = sums.get(k, 0.0) + v
+        torch.set_rng_state(rng_state)
+        keys = sorted(all_gather_objects(sorted(sums), d)[0]) if d.enabled else sorted(sums)
+        vals = all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64), d)
+        red = dict(zip(keys, vals.tolist()))
+        out: dict[str, float] = {}
+        total = 0.0
+        weights = {"rtd": getattr(self.objective.cfg, "electra_lambda", 1.0)}
+        for k in sorted(x[:-2] for x in red if x.endswith("_n")):
+            n = max(red[f"{k}_n"], 1.0)
+            if f"{k}_loss" in red:
+                out[f"{k}_loss"] = red[f"{k}_loss"] / n
+                total += weights.get(k, 1.0) * out[f"{k}_loss"]
+                if k in ("lm", "mlm"):
+                    out[f"{k}_ppl"] = math.exp(min(out[f"{k}_loss"], 50.0))
+            if f"{k}_correct" in red:
+                out[f"{k}_acc"] = red[f"{k}_correct"] / n
+        out["loss"] = total
+        return out
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        rng = all_gather_objects(torch.get_rng_state(), self.dist)
+        path = None
+        if self.dist.is_main:
+            path = save_training_state(self.run_dir, step=self.step, model=self.model, objective=self.objective,
+                                       optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
+                                       position=dict(self.position), rng_states=rng, run_config=self.run_config,
+                                       keep_last=self.cfg.keep_last)
+        barrier(self.dist)
+        return path or (self.run_dir / "checkpoints" / f"step-{self.step:08d}")
+
+    def resume(self) -> int:
+        """Restore the newest checkpoint of the run folder; returns the step it resumes from (0: none)."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            return 0
+        state = load_training_state(ckpts[-1], model=self.model, objective=self.objective,
+                                    optimizer=self.optimizer, scheduler=self.scheduler)
+        rngs = state["rng"]
+        if len(rngs) != self.dist.world:
+            raise ValueError(f"{ckpts[-1]} was written by {len(rngs)} process(es); resume it with the same number "
+                             f"(now {self.dist.world})")
+        torch.set_rng_state(rngs[self.dist.rank])
+        self.step = int(state["step"])
+        self.position = {k: int(v) for k, v in state["position"].items()}
+        return self.step
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        from .logging import MetricsLogger
+
+        cfg, d = self.cfg, self.dist
+        start = self.resume() if resume else 0
+        if resume and start and d.is_main:
+            log(f"resumed from step {start} ({self.run_dir / 'checkpoints'})")
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, enabled=d.is_main,
+                               append=resume, resume_step=start)
+        bar = tqdm(total=cfg.steps, initial=start, disable=not (d.is_main and self.show_progress),
+                   desc="train", unit="step", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        tokens = 0
+        last: dict = {}
+        eval_out: dict = {}
+        ckpt = None
+        try:
+            while self.step < cfg.steps:
+                ts = time.perf_counter()
+                try:
+                    last = self.train_step()
+                except TrainingDiverged as e:
+                    kept = list_checkpoints(self.run_dir)
+                    where = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was written yet"
+                    raise TrainingDiverged(f"{e}; stopping: {where}. Try a lower train.lr, train.clip=1.0 or "
+                                           "train.precision=fp32.") from None
+                dt = time.perf_counter() - ts
+                tokens += last["tokens"]
+                last["tokens_per_s"] = last["tokens"] / max(dt, 1e-9)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.2e}")
+                if self.step % max(cfg.log_every, 1) == 0 or self.step == cfg.steps:
+                    logger.log(self.step, "train", **{k: v for k, v in last.items() if v is not None})
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    eval_out = self.evaluate()
+                    logger.log(self.step, "eval", **eval_out)
+                    bar.write(_fmt_eval(self.step, eval_out)) if d.is_main and eval_out else None
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    ckpt = self.save_checkpoint()
+            if start < cfg.steps or not list_checkpoints(self.run_dir):
+                eval_out = self.evaluate()
+                if eval_out:
+                    logger.log(self.step, "eval", **eval_out)
+                    if d.is_main:
+                        bar.write(_fmt_eval(self.step, eval_out))
+                ckpt = self.save_checkpoint()
+        finally:
+            bar.close()
+            logger.close()
+        return TrainResult(step=self.step, train_loss=last.get("loss", float("nan")), eval=eval_out,
+                           seconds=time.perf_counter() - t0, tokens=tokens, run_dir=self.run_dir, checkpoint=ckpt)
+
+
+def _fmt_eval(step: int, ev: dict) -> str:
+    parts = [f"{k} {v:.4g}" for k, v in ev.items()]
+    return f"eval @ step {step}: " + ", ".join(parts)
