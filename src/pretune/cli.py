@@ -165,7 +165,7 @@ def cmd_data_tokenize(args) -> int:
 
     tok = Tokenizer.load(args.tokenizer)
     paths = expand_sources(args.sources)
-    n_bytes = count_bytes(paths)
+    n_bytes = count_bytes(paths, uncompressed=True)
     t0 = time.perf_counter()
     docs = iter_documents(paths, field=args.field, doc_split=args.doc_split, errors=args.errors)
     store = build_store(docs, tok.tk, args.out, tokenizer_sha=tokenizer_sha(tok),

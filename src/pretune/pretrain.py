@@ -57,7 +57,7 @@ def build_token_store(cfg: RunConfig, tokenizer, sources: list[str], out_dir: Pa
     sha = tokenizer_sha(tokenizer)
     desc = _store_key(cfg, sha, [str(p) for p in paths])
     return build_store(docs, tokenizer.tk, out_dir, tokenizer_sha=sha, source_desc=desc,
-                       total_bytes=count_bytes(paths), show_progress=show_progress)
+                       total_bytes=count_bytes(paths, uncompressed=True), show_progress=show_progress)
 
 
 def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):

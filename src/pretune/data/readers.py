@@ -118,10 +118,20 @@ def expand_sources(sources: Sources) -> list[Path]:
     return unique
 
 
-def count_bytes(sources: Sources) -> int:
-    """Total on-disk size in bytes of the files named by ``sources`` (compressed size for ``.gz``),
-    e.g. for the total of a progress bar."""
-    return sum(p.stat().st_size for p in expand_sources(sources))
+def count_bytes(sources: Sources, *, uncompressed: bool = False) -> int:
+    """Total size in bytes of the files named by ``sources``, e.g. for the total of a progress bar:
+    on disk, or with ``uncompressed=True`` the text size of ``.gz`` files (read from the gzip trailer,
+    which holds the uncompressed size modulo 4 GiB — exact below that, an estimate above)."""
+    total = 0
+    for p in expand_sources(sources):
+        size = p.stat().st_size
+        if uncompressed and p.name.endswith(".gz") and size >= 18:
+            with open(p, "rb") as f:
+                f.seek(-4, os.SEEK_END)
+                isize = int.from_bytes(f.read(4), "little")
+            size = isize or size
+        total += size
+    return total
 
 
 # ------------------------------------------------------------------------------------ text lines

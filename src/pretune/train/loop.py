@@ -140,8 +140,7 @@ class Trainer:
         epoch, b = self.position["epoch"], self.position["batch"]
         while True:
             if self._plan_epoch != epoch:
-                lengths = self.data.lengths[self.data.train_ids] if self.bucket and self.data.lengths is not None \
-                    else None
+                lengths = self.data.lengths if self.bucket else None  # indexed by example id
                 plan = batch_plan(self.data.train_ids, batch_size=self.cfg.batch_size, epoch=epoch,
                                   seed=self.cfg.seed, lengths=lengths, bucket=self.bucket)
                 self._plan, self._plan_epoch = plan, epoch
