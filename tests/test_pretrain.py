@@ -121,8 +121,8 @@ def test_example_configs_parse_and_train(config, tmp_path, small_corpus, tokeniz
     kind = "bpe" if cfg.objective.name in ("clm", "prefix_lm") and cfg.model.get("preset") == "gpt2" else "wordpiece"
     shrink = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "model.ffn_dim=64", "train.steps=3",
               "train.batch_size=4", "train.warmup_steps=1", "train.eval_every=0", "train.save_every=0",
-              "train.tensorboard=false", "train.plot=false", "data.block_size=40", f"tokenizer={tokenizers_by_kind[kind]}",
-              f"data.train=[{small_corpus}]", f"train.out={tmp_path / 'run'}"]
+              "train.tensorboard=false", "train.plot=false", "data.block_size=40",
+              f"tokenizer={tokenizers_by_kind[kind]}", f"data.train=[{small_corpus}]", f"train.out={tmp_path / 'run'}"]
     if cfg.model.get("embed_dim"):
         shrink.append("model.embed_dim=16")
     cfg = load_run_config(config, shrink)
