@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ EPILOG = """examples:
   pretune bench model                    training throughput vs transformers (BENCHMARKS.md)
   pretune demo                           a short real run of what exists
 """
+
+
+OVERRIDE = re.compile(r"^-{0,2}[A-Za-z_]\w*\.[\w.]+=")  # a `section.key=value` config override
 
 
 def _load_any(spec: str):
@@ -173,8 +177,11 @@ def cmd_data_tokenize(args) -> int:
                         show_progress=not args.quiet)
     dt = time.perf_counter() - t0
     stats = store_stats(store)
-    print(f"token store -> {args.out}: " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.1f}"
-                                                  for k, v in stats.items()))
+    shown = {k: v for k, v in stats.items() if k in ("tokens", "docs", "sents", "mean_doc_len", "mean_sent_len",
+                                                     "vocab_size", "dtype", "bytes_per_token")}
+    print(f"token store -> {args.out}: " + ", ".join(
+        f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in shown.items()))
     print(f"  {n_bytes / 1e6:.1f} MB on disk in {dt:.1f}s")
     return 0
 
@@ -202,6 +209,9 @@ def cmd_pretrain(args) -> int:
         print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
         return 0
     result = pretrain(cfg, resume=args.resume, show_progress=not args.quiet)
+    if result.train_loss != result.train_loss:  # no step ran: the run had already finished
+        print(f"nothing to do: {result.run_dir} already finished at step {result.steps}")
+        return 0
     ev = ", ".join(f"{k} {v:.4g}" for k, v in result.eval.items())
     print(f"done: {result.steps} steps, train loss {result.train_loss:.4f}" + (f"; eval {ev}" if ev else ""))
     print(f"  finetunable model: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
@@ -358,11 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     from .interop import InteropError
 
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest:  # `--train.lr=1e-3` style overrides are accepted for `pretrain`
-        if args.command != "pretrain" or any(not (r.startswith("--") and "=" in r) for r in rest):
-            parser.parse_args(argv)  # argparse's own error for the unknown argument
-        args.overrides = list(args.overrides) + [r[2:] for r in rest]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: list[str] = []
+    if argv and argv[0] == "pretrain":  # section.key=value (or --section.key=value) anywhere on the line
+        overrides = [a.lstrip("-") for a in argv[1:] if OVERRIDE.match(a)]
+        argv = [argv[0]] + [a for a in argv[1:] if not OVERRIDE.match(a)]
+    args = parser.parse_args(argv)
+    if args.command == "pretrain":
+        args.overrides = overrides
     from .data.readers import DataError
     from .data.store import StoreError
     from .tokenize import TokenizerError
