@@ -31,8 +31,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 IMPLS = ("pretune", "transformers")
 # the model of the issue: BERT-style, 6 layers, dim 512, 8 heads, FFN 2048, BERT's WordPiece vocabulary
@@ -49,8 +53,8 @@ class Job:
     tokenizer: str  # Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)
     seq: int = 128  # tokens per example, [CLS] and [SEP] included
     batch: int = 32  # examples per optimizer step
-    steps: int = 10  # timed steps
-    warmup: int = 3  # untimed steps first
+    steps: int = 8  # timed steps
+    warmup: int = 2  # untimed steps first
     threads: int = 0  # torch threads; 0: torch's default
     dropout: float = 0.1  # hidden and attention dropout, both models
     lr: float = 1e-4  # AdamW learning rate (constant)
@@ -93,7 +97,7 @@ def _batch_ids(n: int, *, batch: int, seed: int):
         epoch += 1
 
 
-def unmasked_ids(batch: dict) -> "torch.Tensor":  # noqa: F821
+def unmasked_ids(batch: dict) -> torch.Tensor:
     """(B, T) input ids before masking, pads included: the labels where a target is set, else the inputs.
 
     Works for both sides' batches (``input_ids`` and ``labels`` with -100 at non-targets)."""
@@ -188,7 +192,7 @@ class _TransformersRun:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return int(batch["attention_mask"].sum()), float(loss)
+        return int(batch["attention_mask"].sum()), float(loss.detach())
 
 
 def _peak_rss_mb() -> float:
@@ -283,7 +287,7 @@ def _spawn(job: Job) -> dict:
 
 
 def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtypes=("bf16", "fp32"),
-                   rounds: int = 3, steps: int = 10, warmup: int = 3, batch: int = 32, seq: int = 128,
+                   rounds: int = 3, steps: int = 8, warmup: int = 2, batch: int = 32, seq: int = 128,
                    threads: int = 0, dropout: float = 0.1, shape: dict | None = None, impls=IMPLS,
                    fresh_store: bool = True, show_progress: bool = True, echo=print) -> list[dict]:
     """Tokenize the corpus (timed), then alternate pretune and transformers MLM pretraining runs.
@@ -336,6 +340,11 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
             row[f"{impl}_rss_mb"] = statistics.median(r["peak_rss_mb"] for r in runs)
             row[f"{impl}_loss"] = runs[-1]["loss"]
             row["threads"] = runs[0]["threads"]
+        tokens = {impl: {r["tokens"] for r in samples[(dt, impl)]} for impl in impls}
+        if len(set.union(*tokens.values())) != 1:  # same blocks, same plan: the same non-pad tokens per run
+            raise RuntimeError(f"{dt}: the implementations timed different numbers of tokens {tokens}: "
+                               "they did not see the same data")
+        row["timed_tokens"] = next(iter(tokens[impls[0]]))
         if len(impls) == 2:
             row["ratio"] = row[f"{impls[0]}_tokens_per_s"] / row[f"{impls[1]}_tokens_per_s"]
         rows.append(row)
@@ -393,8 +402,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                    help="bf16 = fp32 weights under torch.autocast(bfloat16)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default 3)")
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128, help="tokens per example incl. [CLS]/[SEP] (default 128)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
