@@ -33,6 +33,7 @@ demo: install
 
 bench: install
 	$(VENV)/bin/pretune bench model
+	$(VENV)/bin/pretune bench pretrain
 
 lint: install
 	$(VENV)/bin/ruff check src tests

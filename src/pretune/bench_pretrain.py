@@ -266,7 +266,8 @@ def build_bench_store(sources, tokenizer_dir, cache_dir, *, fresh: bool = True, 
     file_bytes = count_bytes(paths)
     t0 = time.perf_counter()
     store = build_store(iter_documents(paths), tok.tk, out, tokenizer_sha=sha, source_desc=key,
-                        total_bytes=file_bytes, show_progress=show_progress, resume=not fresh)
+                        total_bytes=count_bytes(paths, uncompressed=True), show_progress=show_progress,
+                        resume=not fresh)
     seconds = time.perf_counter() - t0
     cached = not fresh
     if cached:  # opened an earlier build (or finished one): its own clock

@@ -19,6 +19,7 @@ EPILOG = """examples:
   pretune convert --from-hf HF_DIR --out CKPT_DIR
   pretune convert --to-hf CKPT_DIR --out HF_DIR
   pretune bench model                    training throughput vs transformers (BENCHMARKS.md)
+  pretune bench pretrain                 MLM pretraining tokens/s vs transformers, tokenize-to-store MB/s
   pretune demo                           a short real run of what exists
 """
 
@@ -270,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dropout", type=float, default=0.1, help="dropout in both models (default 0.1, as GPT-2/BERT)")
     b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     b.set_defaults(func=cmd_bench)
+    b = bsub.add_parser("pretrain", help="MLM pretraining tokens/s vs transformers + tokenize-to-store MB/s",
+                        description="Times MLM pretraining steps of a BERT-style model (6 layers, dim 512, vocab "
+                        "30522: the real MiniLM tokenizer) with pretune's trainer against transformers' "
+                        "BertForMaskedLM + DataCollatorForLanguageModeling on the same blocks of the bundled "
+                        "corpus, each run in its own process, alternating; also times tokenizing the corpus "
+                        "into a token store.")
+    from .bench_pretrain import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=lambda a: __import__("pretune.bench_pretrain", fromlist=["run_cli"]).run_cli(a))
 
     s = sub.add_parser("tokenizer", help="train or inspect subword tokenizers (BPE, WordPiece, Unigram)")
     tsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
