@@ -128,3 +128,26 @@ def test_example_configs_parse_and_train(config, tmp_path, small_corpus, tokeniz
     cfg = load_run_config(config, shrink)
     result = pretrain(cfg, show_progress=False, log=lambda *_: None)
     assert result.steps == 3 and result.train_loss == result.train_loss
+
+
+def test_continue_pretraining_a_checkpoint_without_its_head(tmp_path, small_corpus, tokenizers_by_kind):
+    """model.init: a checkpoint saved without an MLM head (like the real MiniLM) gets a fresh one; the body
+    starts from the checkpoint's weights."""
+    import torch
+
+    import pretune
+    from pretune.pretrain import prepare
+    from pretune.tokenize import Tokenizer
+
+    tok = Tokenizer.load(tokenizers_by_kind["wordpiece"])
+    body = pretune.build_model("tiny-bert-base", head="none", vocab_size=tok.vocab_size, max_seq_len=64)
+    pretune.save(body, tmp_path / "ckpt")
+    cfg = _run(tmp_path, "mlm", "tiny-bert-base", tokenizers_by_kind["wordpiece"], ["data.block_size=40"],
+               base={"model": {"init": str(tmp_path / "ckpt")}})
+    cfg.data.train = [str(small_corpus)]
+    _, model, _, _, _ = prepare(cfg, show_progress=False)
+    assert model.config.head == "mlm"
+    for (k, a), b in zip(body.transformer.state_dict().items(), model.transformer.state_dict().values()):
+        assert torch.equal(a, b), k
+    result = pretrain(cfg, show_progress=False, log=lambda *_: None)
+    assert pretune.load(result.model_dir).config.head == "mlm"

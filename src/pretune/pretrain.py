@@ -96,9 +96,14 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
             raise ConfigError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary "
                               f"({tok.vocab_size} tokens)")
         model = TransformerLM(mcfg)
-    mcfg = model.config
     if cfg.objective.name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {cfg.objective.name!r}; choose one of {list(OBJECTIVES)}")
+    need = OBJECTIVES[cfg.objective.name].head
+    if init and need is not None and model.config.head != need:
+        if dist.is_main:
+            print(f"model.init {init} has head={model.config.head!r}; adding a freshly initialised {need} head")
+        model = _with_head(model, need)  # e.g. MiniLM ships without its MLM head: continue with a fresh one
+    mcfg = model.config
     objective = build_objective(cfg.objective, model, tok)
 
     longest = objective.block_size(mcfg.max_seq_len)
@@ -148,6 +153,17 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     ids_eval = ids_eval[lengths[ids_eval] >= MIN_BLOCK] if len(ids_eval) else ids_eval
     data = ExampleSet(get=get, train_ids=ids_train, eval_ids=ids_eval, lengths=lengths)
     return tok, model, objective, data, block_size
+
+
+def _with_head(model, head: str):
+    """The same body with a newly initialised ``head`` (the pretraining head a checkpoint left out)."""
+    from .model import TransformerLM
+
+    new = TransformerLM(model.config.replace(head=head))
+    new.transformer.load_state_dict(model.transformer.state_dict())
+    if model.pooler is not None and new.pooler is not None:
+        new.pooler.load_state_dict(model.pooler.state_dict())
+    return new
 
 
 def _load_init(path: str):

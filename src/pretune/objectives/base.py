@@ -31,6 +31,7 @@ class Objective(nn.Module):
     archs: ClassVar[tuple[str, ...]]
     why: ClassVar[str] = ""  # one sentence: what the objective needs from the architecture
     corrupts: ClassVar[bool] = True  # has random corruption (dynamic vs static masking applies)
+    head: ClassVar[str | None] = None  # the model head the loss reads ("mlm", "lm"), None: none needed
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__()
@@ -38,6 +39,9 @@ class Objective(nn.Module):
             served = " or ".join(ARCH_NAMES[a] for a in self.archs)
             raise ConfigError(f"objective {self.name!r} cannot train {ARCH_NAMES[model_cfg.arch]} model "
                               f"(model.arch={model_cfg.arch!r}): {self.why} It needs {served} model.")
+        if self.head is not None and model_cfg.head != self.head:
+            raise ConfigError(f"objective {self.name!r} trains the model's {self.head} head but the model has "
+                              f"head={model_cfg.head!r}: set model.head={self.head}")
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.tok = tokenizer

@@ -17,6 +17,7 @@ class MaskedLM(Objective):
     """BERT: select 15% of tokens; 80% → [MASK], 10% → random, 10% kept; predict the originals."""
 
     name = "mlm"
+    head = "mlm"
     archs = ("encoder",)
     why = "masked LM predicts tokens from both sides, so it needs a bidirectional encoder (a decoder-only model " \
           "only sees the left context; use clm or prefix_lm there);"
@@ -129,6 +130,7 @@ class Electra(MaskedLM):
     being pretrained) labels every token original/replaced. Loss = MLM + λ·RTD (λ = 50, Clark et al. 2020)."""
 
     name = "electra"
+    head = None  # the discriminator's RTD head lives in the objective; the generator has its own MLM head
     why = "replaced-token detection classifies every token with both-side context, so it needs an encoder;"
 
     def __init__(self, cfg, model_cfg, tokenizer, *, model=None):

@@ -27,6 +27,7 @@ class CausalLM(Objective):
     """GPT: predict w_t from w_<t over packed blocks (documents separated by EOS)."""
 
     name = "clm"
+    head = "lm"
     archs = ("decoder",)
     why = "causal LM predicts each token from the ones before it with a single causal stack;"
     corrupts = False

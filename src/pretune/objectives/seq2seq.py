@@ -20,6 +20,7 @@ class Seq2Seq(Objective):
     """Base: ``corrupt(tokens, rng, block) -> (source, target)``; subclasses define the corruption."""
 
     archs = ("encoder-decoder", "decoder")
+    head = "lm"
     why = "it maps a corrupted input to a target text, which needs a decoder;"
 
     def __init__(self, cfg, model_cfg, tokenizer):
