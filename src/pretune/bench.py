@@ -148,8 +148,10 @@ def _matmul_peak(job: Job) -> dict:
 # ---------------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------------
-def _spawn(job: Job) -> dict:
-    cmd = [sys.executable, "-m", "pretune.bench", json.dumps(asdict(job))]
+def spawn_worker(job, module: str = "pretune.bench") -> dict:
+    """Run ``python -m module JOB_JSON`` in a fresh process (one measurement per process, so two models
+    never share an allocator) and return the JSON dict it prints last."""
+    cmd = [sys.executable, "-m", module, json.dumps(asdict(job))]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -176,7 +178,7 @@ def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: in
                     plan.append(Job(impl, fam, dt, batch=batch, seq=seq, steps=steps, warmup=warmup,
                                     threads=threads, dropout=dropout))
     for job in tqdm(plan, desc="bench model", unit="run"):
-        res = _spawn(job)
+        res = spawn_worker(job)
         if job.impl == "matmul":
             peaks[job.dtype].append(res["flops_per_s"])
         else:

@@ -25,15 +25,16 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .bench import spawn_worker
 
 if TYPE_CHECKING:
     import torch
@@ -278,15 +279,6 @@ def build_bench_store(sources, tokenizer_dir, cache_dir, *, fresh: bool = True, 
             "tokens_per_s": store.n_tokens / seconds, "docs": store.n_docs, "files": len(paths), "cached": cached}
 
 
-def _spawn(job: Job) -> dict:
-    cmd = [sys.executable, "-m", "pretune.bench_pretrain", json.dumps(asdict(job))]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark worker failed for {job}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtypes=("bf16", "fp32"),
                    rounds: int = 3, steps: int = 8, warmup: int = 2, batch: int = 32, seq: int = 128,
                    threads: int = 0, dropout: float = 0.1, shape: dict | None = None, impls=IMPLS,
@@ -330,7 +322,7 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
                                 steps=steps, warmup=warmup, threads=threads, dropout=dropout, shape=shape))
     samples: dict[tuple, list[dict]] = {}
     for job in tqdm(plan, desc="bench pretrain", unit="run", disable=not show_progress):
-        samples.setdefault((job.dtype, job.impl), []).append(_spawn(job))
+        samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench_pretrain"))
     rows = [tok_row]
     for dt in dtypes:
         row = {"bench": "mlm", "dtype": dt, "seq": seq, "batch": batch, "steps": steps, **shape}

@@ -119,6 +119,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_pretrain(args) -> int:
+    from .bench_pretrain import run_cli
+
+    return run_cli(args)
+
+
 def cmd_tokenizer_train(args) -> int:
     from .tokenize import train_tokenizer
 
@@ -280,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_pretrain import add_arguments
 
     add_arguments(b)
-    b.set_defaults(func=lambda a: __import__("pretune.bench_pretrain", fromlist=["run_cli"]).run_cli(a))
+    b.set_defaults(func=cmd_bench_pretrain)
 
     s = sub.add_parser("tokenizer", help="train or inspect subword tokenizers (BPE, WordPiece, Unigram)")
     tsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
