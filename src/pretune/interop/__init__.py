@@ -86,6 +86,104 @@ def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
 
 
 # ---------------------------------------------------------------------------------------------
+# task heads (the *ForSequenceClassification / *ForTokenClassification / *ForQuestionAnswering classes)
+# ---------------------------------------------------------------------------------------------
+TASK_SUFFIXES = {"ForSequenceClassification": "sequence", "ForTokenClassification": "tagging",
+                 "ForQuestionAnswering": "qa", "ForMultipleChoice": None}  # None: never supported
+
+
+def task_arch(hf: dict, supported: Iterable[str], guess: str | None = None) -> str | None:
+    """The task-head class named in ``architectures`` (or ``guess``, made from the tensor names, when
+    config.json names no class), or None for a body / LM checkpoint. A task class this family does not
+    support raises InteropError naming it."""
+    supported = list(supported)
+    archs = hf.get("architectures") or ([guess] if guess else [])
+    for arch in archs:
+        if not arch.endswith(tuple(TASK_SUFFIXES)):
+            continue
+        if arch not in supported:
+            raise InteropError(f"architectures={arch!r} is not supported; task heads of this family: "
+                               f"{', '.join(supported) or 'none'}")
+        return arch
+    return None
+
+
+def task_fields(hf: dict, arch: str) -> dict:
+    """ModelConfig fields (head, num_labels, labels, classifier_dropout) of an HF task-head config.
+
+    ``labels`` are the ``id2label`` names in index order, or None when they are HF's defaults
+    ("LABEL_0", "LABEL_1", ...); a sequence head is regression when problem_type says so or it has one output.
+    """
+    kind = next(v for k, v in TASK_SUFFIXES.items() if arch.endswith(k))
+    id2label = hf.get("id2label")
+    if id2label:
+        try:
+            ids = sorted(int(i) for i in id2label)
+        except (TypeError, ValueError):
+            raise InteropError(f"id2label keys must be integers, got {sorted(id2label)!r}") from None
+        if ids != list(range(len(ids))):
+            raise InteropError(f"id2label must number its labels 0..{len(ids) - 1}, got ids {ids}")
+        names = [str(id2label[str(i)] if str(i) in id2label else id2label[i]) for i in ids]
+        num_labels = len(names)
+    else:
+        names = None
+        num_labels = int(hf.get("num_labels") or 2)  # HF's default: 2 labels, id2label not written
+    if hf.get("num_labels") is not None and int(hf["num_labels"]) != num_labels:
+        raise InteropError(f"num_labels={hf['num_labels']} disagrees with id2label ({num_labels} labels)")
+    labels = None
+    if names is not None and names != [f"LABEL_{i}" for i in range(num_labels)]:
+        if len(set(names)) != len(names):
+            raise InteropError(f"id2label has repeated label names: {names!r}")
+        labels = names
+    problem = hf.get("problem_type")
+    if kind == "sequence":
+        if problem == "multi_label_classification":
+            raise InteropError("problem_type='multi_label_classification' is not supported "
+                               "(pretune's classification head is single-label)")
+        head = "regression" if problem == "regression" or num_labels == 1 else "classification"
+        if head == "regression" and num_labels != 1:
+            raise InteropError(f"problem_type='regression' with {num_labels} outputs is not supported "
+                               "(pretune's regression head has one)")
+    elif kind == "qa":
+        head = "qa"
+        if num_labels != 2:
+            raise InteropError(f"question answering needs 2 outputs (start, end), got num_labels={num_labels}")
+    else:
+        head = "tagging"
+    return {"head": head, "num_labels": num_labels, "labels": labels,
+            "classifier_dropout": hf.get("classifier_dropout")}
+
+
+def task_mismatch(cfg: ModelConfig, archs: dict[str, str | None], pooling: str | None) -> str | None:
+    """Why ``cfg``'s task head has no equivalent among ``archs`` (head -> HF class, None: no such class),
+    given the sentence pooling the family's sequence-classification class uses; None when it has one."""
+    arch = archs.get(cfg.head)
+    if arch is None:
+        return f"head={cfg.head!r} has no Hugging Face class in this family"
+    if cfg.head in ("classification", "regression"):
+        if cfg.sentence_pooling != pooling:
+            how = {"pooler": "the BERT pooler output (pooler=True, pooling='pooler')",
+                   "cls": "dense + tanh on the first token (pooling='cls')",
+                   "last": "the last real token (pooling='last')"}[pooling]
+            return f"{arch} classifies {how}, got pooling={cfg.sentence_pooling!r}"
+        if cfg.head == "classification" and cfg.num_labels < 2:
+            return f"{arch} reads num_labels=1 as regression; use head='regression'"
+    return None
+
+
+def task_config_to_hf(cfg: ModelConfig, arch: str) -> dict:
+    """The config.json keys of a task head: architectures, the label map and problem_type."""
+    names = cfg.labels or [f"LABEL_{i}" for i in range(cfg.num_labels)]
+    out = {"architectures": [arch], "num_labels": cfg.num_labels,
+           "id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
+    if cfg.head in ("classification", "regression"):
+        out["problem_type"] = "regression" if cfg.head == "regression" else "single_label_classification"
+    if cfg.classifier_dropout is not None:
+        out["classifier_dropout"] = cfg.classifier_dropout
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # families
 # ---------------------------------------------------------------------------------------------
 def _families() -> dict[str, ModuleType]:
@@ -136,7 +234,9 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
-    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama).
+    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama), with
+    its task head when ``architectures`` names one (*ForSequenceClassification, *ForTokenClassification,
+    *ForQuestionAnswering of BERT, RoBERTa, GPT-2 and Llama; labels come from ``id2label``).
 
     Args:
         path: folder with config.json and model.safetensors (or a sharded index, or pytorch_model.bin).
@@ -167,8 +267,9 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
 def to_hf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None) -> Path:
     """Export a TransformerLM to a folder ``transformers.AutoModel*.from_pretrained`` loads.
 
-    The family is chosen from the config (which must match one HF supports exactly);
-    tokenizer files are copied from ``tokenizer_dir`` when given.
+    The family is chosen from the config (which must match one HF supports exactly); a task head
+    becomes the family's *ForSequenceClassification / *ForTokenClassification / *ForQuestionAnswering
+    with its label map; tokenizer files are copied from ``tokenizer_dir`` when given.
     """
     cfg: ModelConfig = model.config
     fam = _family_for_config(cfg)

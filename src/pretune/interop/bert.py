@@ -1,8 +1,12 @@
-"""BERT and RoBERTa (BertModel/BertForMaskedLM, RobertaModel/RobertaForMaskedLM).
+"""BERT and RoBERTa (BertModel/BertForMaskedLM, RobertaModel/RobertaForMaskedLM, and the
+*ForSequenceClassification / *ForTokenClassification / *ForQuestionAnswering task heads).
 
 Quirks: post-norm; RoBERTa position ids start at padding_idx + 1 (position_offset) and its
 MLM head is called lm_head; the MLM decoder weight is tied to the word embeddings and its
-bias is the same tensor as cls.predictions.bias.
+bias is the same tensor as cls.predictions.bias. BertForSequenceClassification classifies the
+pooler output (our pooling "pooler"); RobertaForSequenceClassification has no pooler and uses
+dense + tanh on <s> (our pooling "cls"). The token and QA classes have no pooler: exporting a
+model with one to them leaves the (unused) pooler out.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from . import InteropError, mismatch, rename, strip_prefix
+from . import InteropError, mismatch, rename, strip_prefix, task_arch, task_config_to_hf, task_fields, task_mismatch
 
 MODEL_TYPES = ("bert", "roberta")
 
@@ -40,6 +44,17 @@ _HEADS = {
     "roberta": [("lm_head.dense", "head.dense"), ("lm_head.layer_norm", "head.norm"),
                 ("lm_head.bias", "head.bias"), ("lm_head.decoder.weight", "head.weight")],
 }
+_TASK_HEADS = {
+    "bert": {"classification": [("classifier", "head.out")], "tagging": [("classifier", "head.out")],
+             "qa": [("qa_outputs", "head.out")]},
+    "roberta": {"classification": [("classifier.dense", "head.dense"), ("classifier.out_proj", "head.out")],
+                "tagging": [("classifier", "head.out")], "qa": [("qa_outputs", "head.out")]},
+}
+_TASK_ARCHS = {mt: {"classification": f"{name}ForSequenceClassification",
+                    "regression": f"{name}ForSequenceClassification",
+                    "tagging": f"{name}ForTokenClassification", "qa": f"{name}ForQuestionAnswering"}
+               for mt, name in (("bert", "Bert"), ("roberta", "Roberta"))}
+_SEQ_POOLING = {"bert": "pooler", "roberta": "cls"}  # what each *ForSequenceClassification classifies
 # Redundant copies and buffers: the tied decoder (and its bias alias), position-id buffers,
 # BERT's NSP head (no NSP head in this model yet).
 _IGNORE = [r"^embeddings\.position_ids$", r"decoder\.bias$", r"^cls\.seq_relationship\."]
@@ -49,8 +64,29 @@ def _model_type(cfg: ModelConfig) -> str:
     return "roberta" if cfg.position_offset else "bert"
 
 
+def _head_table(cfg: ModelConfig) -> list[tuple[str, str]]:
+    mt = _model_type(cfg)
+    if cfg.head == "mlm":
+        return _HEADS[mt]
+    return _TASK_HEADS[mt].get("classification" if cfg.head == "regression" else cfg.head, [])
+
+
+def _guess_arch(mt: str, keys: set[str]) -> str | None:
+    """The task class a folder without ``architectures`` holds, from its head tensors."""
+    name = {"bert": "Bert", "roberta": "Roberta"}[mt]
+    if "qa_outputs.weight" in keys:
+        return f"{name}ForQuestionAnswering"
+    if "classifier.out_proj.weight" in keys:
+        return f"{name}ForSequenceClassification"
+    if "classifier.weight" in keys:
+        pooled = mt == "bert" and any(k.endswith("pooler.dense.weight") for k in keys)
+        return f"{name}For{'Sequence' if pooled else 'Token'}Classification"
+    return None
+
+
 def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     mt = hf["model_type"]
+    arch = task_arch(hf, sorted(set(_TASK_ARCHS[mt].values())), _guess_arch(mt, keys))
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise InteropError(f"position_embedding_type={hf['position_embedding_type']!r} is not supported "
                            "(absolute only)")
@@ -61,6 +97,11 @@ def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     has_head = any(k.split(f"{mt}.", 1)[-1].startswith(head_prefix) or k.startswith(head_prefix) for k in keys)
     has_pooler = any(k.endswith("pooler.dense.weight") for k in keys)
     pad = hf.get("pad_token_id", 0 if mt == "bert" else 1)
+    task = task_fields(hf, arch) if arch else {"head": "mlm" if has_head else "none"}
+    if task["head"] in ("classification", "regression"):
+        task["pooling"] = _SEQ_POOLING[mt]
+        if mt == "bert" and not has_pooler:
+            raise InteropError(f"{arch} needs the pooler tensors (bert.pooler.dense.*), none found")
     return ModelConfig(
         arch="encoder", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
@@ -69,8 +110,8 @@ def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
         bias=True, embed_norm=True, dropout=hf.get("hidden_dropout_prob", 0.1),
         attn_dropout=hf.get("attention_probs_dropout_prob", 0.1), position="learned",
         position_offset=(pad + 1) if mt == "roberta" else 0, token_types=hf.get("type_vocab_size", 2),
-        tie_embeddings=hf.get("tie_word_embeddings", True), head="mlm" if has_head else "none",
-        head_act=ACTS[act] if mt == "bert" else "gelu", pooler=has_pooler, pad_token_id=pad,
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        head_act=ACTS[act] if mt == "bert" else "gelu", pooler=has_pooler, pad_token_id=pad, **task,
     )
 
 
@@ -78,11 +119,16 @@ def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     mt = _model_type(cfg)
     tensors = strip_prefix(tensors, f"{mt}.")
     ignore = _IGNORE + [r"decoder\.weight$"] if cfg.tie_embeddings else _IGNORE  # tied copy of the embeddings
-    return rename(tensors, _BODY + _HEADS[mt], ignore=ignore)
+    return rename(tensors, _BODY + _head_table(cfg), ignore=ignore)
 
 
 def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     mt = _model_type(cfg)
+    if cfg.head in _TASK_ARCHS[mt]:
+        # only BertForSequenceClassification has a pooler; the other task classes would not load it
+        keep_pooler = cfg.sentence_pooling == "pooler" and cfg.head in ("classification", "regression")
+        hf = rename(ours, _BODY + _head_table(cfg), reverse=True, ignore=[] if keep_pooler else [r"^pooler\."])
+        return {(k if k.startswith(("classifier.", "qa_outputs.")) else f"{mt}.{k}"): v for k, v in hf.items()}
     hf = rename(ours, _BODY + _HEADS[mt], reverse=True)
     if cfg.head == "mlm":  # HF's decoder bias is the same tensor as the head bias
         bias = hf["cls.predictions.bias" if mt == "bert" else "lm_head.bias"]
@@ -102,11 +148,17 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
     if cfg.kv_heads != cfg.n_heads or cfg.dh * cfg.n_heads != cfg.dim:
         return "needs plain multi-head attention (no GQA, head_dim = dim / n_heads)"
     if cfg.head == "lm" or cfg.token_types < 1:
-        return "needs head 'mlm' or 'none' and token_types >= 1"
+        return "needs head 'mlm', 'none' or a task head, and token_types >= 1"
     if cfg.position_offset and cfg.position_offset != cfg.pad_token_id + 1:
         return f"RoBERTa needs position_offset == pad_token_id + 1, got {cfg.position_offset}"
     if cfg.head == "mlm" and cfg.head_act != (cfg.ffn if _model_type(cfg) == "bert" else "gelu"):
         return f"the MLM head activation must be {cfg.ffn if _model_type(cfg) == 'bert' else 'gelu'}"
+    if cfg.head in _TASK_ARCHS["bert"]:
+        mt = _model_type(cfg)
+        why = task_mismatch(cfg, _TASK_ARCHS[mt], _SEQ_POOLING[mt])
+        if why and mt == "bert" and cfg.sentence_pooling == "cls":
+            why += " (RoBERTa's classification head uses 'cls': a RoBERTa config, position_offset = pad_token_id + 1)"
+        return why
     return None
 
 
@@ -116,13 +168,14 @@ _ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": 
 def config_to_hf(cfg: ModelConfig) -> dict:
     mt = _model_type(cfg)
     arch = {"bert": "Bert", "roberta": "Roberta"}[mt] + ("ForMaskedLM" if cfg.head == "mlm" else "Model")
+    task = task_config_to_hf(cfg, _TASK_ARCHS[mt][cfg.head]) if cfg.head in _TASK_ARCHS[mt] else {}
     return {
-        "architectures": [arch], "model_type": mt, "vocab_size": cfg.vocab_size,
+        "architectures": task.pop("architectures", [arch]), "model_type": mt, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "intermediate_size": cfg.ffn_dim, "hidden_act": _ACT_NAMES[cfg.ffn],
         "hidden_dropout_prob": cfg.dropout, "attention_probs_dropout_prob": cfg.attn_dropout,
         "max_position_embeddings": cfg.max_seq_len, "type_vocab_size": cfg.token_types,
         "layer_norm_eps": cfg.norm_eps, "pad_token_id": cfg.pad_token_id,
         "position_embedding_type": "absolute", "tie_word_embeddings": cfg.tie_embeddings,
-        "add_pooling_layer": cfg.pooler,
+        "add_pooling_layer": cfg.pooler and cfg.head not in ("tagging", "qa"), **task,
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from . import InteropError, mismatch, rename
+from . import InteropError, mismatch, rename, task_arch
 
 MODEL_TYPES = ("t5",)
 
@@ -43,6 +43,7 @@ def _table(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
+    task_arch(hf, [])  # T5's task classes read the decoder (or the encoder alone): none is supported
     proj = hf.get("feed_forward_proj", "relu")
     gated = proj.startswith("gated-")
     act = proj.split("-")[-1]
@@ -87,6 +88,9 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 
 def export_mismatch(cfg: ModelConfig) -> str | None:
+    if cfg.arch == "encoder-decoder" and cfg.head not in ("lm", "none"):
+        return (f"head={cfg.head!r} has no Hugging Face T5 class (T5ForSequenceClassification and "
+                "T5ForQuestionAnswering read the decoder; pretune's task heads read the encoder)")
     why = mismatch(cfg, arch="encoder-decoder", norm="rmsnorm", norm_placement="pre", bias=False,
                    attn_scale=1.0, embed_norm=False, position="relative", token_types=0, embed_dim=None,
                    share_layers=False, share_encoder_decoder=False, head="lm", pooler=False)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import TASK_HEADS, ModelConfig
 from .attention import KVCache
 from .heads import HEADS, Pooler
 from .transformer import Transformer
@@ -21,7 +21,8 @@ class ModelOutput:
     """What a model call returns. Shapes: B batch, T (decoder) length, S encoder length."""
 
     last_hidden_state: torch.Tensor  # (B, T, dim): decoder output for enc-dec, else the stack's output
-    logits: torch.Tensor | None = None  # (B, T, vocab) when the model has an LM/MLM head
+    logits: torch.Tensor | None = None  # (B, T, vocab) LM/MLM head; (B, labels) classification/regression;
+    # (B, T, labels) tagging; (B, T, 2) qa (start, end)
     encoder_last_hidden_state: torch.Tensor | None = None  # (B, S, dim) encoder-decoder only
     pooler_output: torch.Tensor | None = None  # (B, dim) when the config has a BERT pooler
     past_key_values: KVCache | None = None  # the updated cache when use_cache=True
@@ -36,6 +37,7 @@ class TransformerLM(nn.Module):
         self.transformer = Transformer(config)
         self.head = HEADS[config.head](config, self.transformer.embed) if config.head != "none" else None
         self.pooler = Pooler(config) if config.pooler else None
+        self.task_head = config.head in TASK_HEADS
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) (Radford et al. 2019 §2.3)
         std = 0.02 / math.sqrt(2 * config.n_layers)
@@ -86,7 +88,8 @@ class TransformerLM(nn.Module):
         cache = past_key_values if past_key_values is not None else (KVCache() if use_cache else None)
         body = self.transformer
         encoder_out = None
-        if cfg.arch == "encoder":
+        if cfg.arch == "encoder" or (self.task_head and cfg.arch == "encoder-decoder"):
+            # task heads on an encoder-decoder read the encoder (classification of the input text)
             h = body.encode(input_ids, attention_mask, token_type_ids, position_ids)
         elif cfg.arch == "decoder":
             h = body.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
@@ -99,11 +102,16 @@ class TransformerLM(nn.Module):
                 encoder_out = body.encode(input_ids, attention_mask, token_type_ids)
             h = body.decode(decoder_input_ids, decoder_attention_mask, memory=encoder_out,
                             memory_mask=attention_mask, position_ids=position_ids, cache=cache)
+        pooled = self.pooler(h) if self.pooler is not None else None
+        if self.task_head:
+            logits = self.head(h, attention_mask, pooled)
+        else:
+            logits = self.head(h) if self.head is not None else None
         return ModelOutput(
             last_hidden_state=h,
-            logits=self.head(h) if self.head is not None else None,
+            logits=logits,
             encoder_last_hidden_state=encoder_out,
-            pooler_output=self.pooler(h) if self.pooler is not None else None,
+            pooler_output=pooled,
             past_key_values=cache,
         )
 

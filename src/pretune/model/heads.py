@@ -60,4 +60,64 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(h[:, 0]))  # (B, dim)
 
 
-HEADS = {"lm": LMHead, "mlm": MLMHead}
+def pool(h: torch.Tensor, attention_mask: torch.Tensor | None, how: str) -> torch.Tensor:
+    """One vector per sequence from hidden states h (B, T, dim): ``cls`` the first token, ``mean`` the
+    mean over real tokens, ``last`` the last real token (works with left or right padding)."""
+    if how == "cls" or how == "pooler":
+        return h[:, 0]
+    if attention_mask is None:
+        return h.mean(1) if how == "mean" else h[:, -1]
+    m = attention_mask.to(h.dtype)
+    if how == "mean":
+        return (h * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)
+    idx = (attention_mask.long() * torch.arange(h.shape[1], device=h.device)).argmax(1)  # last 1 in each row
+    return h[torch.arange(h.shape[0], device=h.device), idx]
+
+
+class SequenceHead(nn.Module):
+    """Classification (num_labels logits) or regression (one value) from one vector per sequence.
+
+    The layout follows the family's reference head so checkpoints move to and from HF:
+      pooler -> dropout -> out           (BertForSequenceClassification: on the BERT pooler output)
+      cls    -> dropout -> dense -> tanh -> dropout -> out   (RobertaForSequenceClassification)
+      mean   -> dropout -> out
+      last   -> out (no bias)            (GPT2/LlamaForSequenceClassification: last real token)
+    """
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding | None = None):
+        super().__init__()
+        self.pooling = cfg.sentence_pooling
+        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        self.drop = nn.Dropout(p)
+        self.dense = nn.Linear(cfg.dim, cfg.dim) if self.pooling == "cls" else None
+        self.out = nn.Linear(cfg.dim, cfg.num_labels, bias=self.pooling != "last")
+
+    def forward(self, h: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """h: (B, T, dim) -> (B, num_labels); ``pooled`` is the BERT pooler output when pooling='pooler'."""
+        x = pooled if self.pooling == "pooler" else pool(h, attention_mask, self.pooling)
+        if self.dense is not None:
+            x = torch.tanh(self.dense(self.drop(x)))
+        if self.pooling != "last":
+            x = self.drop(x)
+        return self.out(x)
+
+
+class TokenHead(nn.Module):
+    """One set of logits per token: tagging (num_labels) or extractive QA (2: start, end).
+    dropout -> out, as BertForTokenClassification (QA heads have no dropout, as BertForQuestionAnswering)."""
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding | None = None):
+        super().__init__()
+        p = cfg.dropout if cfg.classifier_dropout is None else cfg.classifier_dropout
+        self.drop = nn.Dropout(0.0 if cfg.head == "qa" else p)
+        self.out = nn.Linear(cfg.dim, cfg.num_labels)
+
+    def forward(self, h: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """h: (B, T, dim) -> (B, T, num_labels)."""
+        return self.out(self.drop(h))
+
+
+HEADS = {"lm": LMHead, "mlm": MLMHead, "classification": SequenceHead, "regression": SequenceHead,
+         "tagging": TokenHead, "qa": TokenHead}

@@ -80,10 +80,14 @@ class Trainer:
         dist: process info from :func:`init_distributed`.
         bucket: group examples of similar length into batches.
         run_config: saved as run.yaml in each checkpoint.
+        evaluator: extra evaluation (finetuning: task metrics on the dev set), merged into evaluate().
+        on_eval: called as ``on_eval(step, metrics)`` after every evaluation; returning True stops
+            training early (early stopping; keep-best lives in the callback).
     """
 
     def __init__(self, *, model, objective, data: ExampleSet, cfg, run_dir, tokenizer=None,
-                 dist: DistInfo | None = None, bucket: bool = False, run_config=None, show_progress: bool = True):
+                 dist: DistInfo | None = None, bucket: bool = False, run_config=None, show_progress: bool = True,
+                 evaluator: Callable[[], dict] | None = None, on_eval: Callable[[int, dict], bool] | None = None):
         from .optim import build_optimizer, build_scheduler
 
         self.model, self.objective, self.data, self.cfg = model, objective, data, cfg
@@ -91,6 +95,8 @@ class Trainer:
         self.tokenizer, self.run_config, self.bucket = tokenizer, run_config, bucket
         self.dist = dist or DistInfo()
         self.show_progress = show_progress
+        self.evaluator, self.on_eval = evaluator, on_eval
+        self.stopped_early = False
         d = self.dist
         if cfg.batch_size % (d.world * cfg.grad_accum):
             raise ValueError(f"train.batch_size ({cfg.batch_size}) must be divisible by processes ({d.world}) x "
@@ -217,7 +223,16 @@ class Trainer:
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Loss of every term over the held-out ids (sharded over processes), perplexity, accuracies."""
+        """Loss of every term over the held-out ids (sharded over processes), perplexity, accuracies,
+        and the ``evaluator``'s metrics."""
+        out = self._evaluate_objective()
+        if self.evaluator is not None:
+            rng_state = torch.get_rng_state()
+            out.update(self.evaluator())
+            torch.set_rng_state(rng_state)
+        return out
+
+    def _evaluate_objective(self) -> dict:
         cfg, d = self.cfg, self.dist
         ids = self.data.eval_ids
         if len(ids) == 0:
@@ -326,15 +341,23 @@ class Trainer:
                     eval_out = self.evaluate()
                     logger.log(self.step, "eval", **eval_out)
                     bar.write(_fmt_eval(self.step, eval_out)) if d.is_main and eval_out else None
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    if self.on_eval is not None and self.on_eval(self.step, eval_out):
+                        self.stopped_early = True
+                        bar.write(f"early stop at step {self.step}") if d.is_main else None
+                        break
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps and cfg.keep_last:
                     ckpt = self.save_checkpoint()
-            if start < cfg.steps or not list_checkpoints(self.run_dir):
-                eval_out = self.evaluate()
-                if eval_out:
-                    logger.log(self.step, "eval", **eval_out)
-                    if d.is_main:
-                        bar.write(_fmt_eval(self.step, eval_out))
-                ckpt = self.save_checkpoint()
+            if self.stopped_early or start < cfg.steps or not list_checkpoints(self.run_dir):
+                if not self.stopped_early:
+                    eval_out = self.evaluate()
+                    if eval_out:
+                        logger.log(self.step, "eval", **eval_out)
+                        if d.is_main:
+                            bar.write(_fmt_eval(self.step, eval_out))
+                    if self.on_eval is not None:
+                        self.on_eval(self.step, eval_out)
+                if cfg.keep_last:
+                    ckpt = self.save_checkpoint()
         finally:
             bar.close()
             logger.close()

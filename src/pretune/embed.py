@@ -1,0 +1,562 @@
+"""Contextual sentence embeddings: one vector per text from a pretrained model, and cosine similarity.
+
+A text goes through the whole transformer, so each token's hidden state depends on its context
+("bank" in "river bank" and in "bank account" get different vectors); pooling the token states
+gives one sentence vector, and the cosine of two such vectors measures how close their meanings are
+(Reimers & Gurevych 2019, Sentence-BERT)::
+
+    model, tok = load_encoder(minilm_dir())                 # an HF folder or a pretune checkpoint folder
+    emb = embed_texts(model, tok, ["A man plays a guitar.", "Someone plays the guitar."], normalize=True)
+    cosine_matrix(emb)                                       # (2, 2)
+
+Pooling: ``"mean"`` averages the real tokens' states (the attention mask weights, as sentence-transformers
+does; what all-MiniLM-L6-v2 was trained with), ``"cls"`` takes the first token's state (encoders: BERT's
+[CLS]), ``"last"`` the last real token's (decoders: the only token that has seen the whole text).
+Encoder-decoders (T5) are embedded with their encoder. The CLI is ``pretune embed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import os
+import tempfile
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+from .data.readers import DataError, iter_records
+from .tokenize import Tokenizer, TokenizerError
+
+__all__ = ["POOLINGS", "load_encoder", "embed_texts", "special_tokens", "cosine_matrix", "pairwise_cosine",
+           "rank_pairs", "rank_all_pairs", "add_embed_parser", "cmd_embed"]
+
+POOLINGS: dict[str, tuple[str, ...]] = {  # arch -> poolings that make sense for it (first: the default)
+    "encoder": ("mean", "cls"),
+    "decoder": ("mean", "last"),  # the first token of a causal model has seen only itself: no "cls"
+    "encoder-decoder": ("mean", "cls"),  # the encoder's states (T5 has no [CLS]: "cls" is its first token)
+}
+_PROBE = "hello world"  # to find the tokens a tokenizer's post-processor puts around a text
+_PROGRESS_MIN = 512  # the CLI shows a progress bar from this many texts on
+_MAX_ALL_PAIRS = 2_000_000  # --similarity on a list: more pairs than this need --top (all would be O(N^2))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+def load_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None,
+                 device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Tokenizer]:
+    """A pretrained model and its tokenizer, ready to embed text.
+
+    Args:
+        path: a pretune checkpoint folder (config.json + model.safetensors + tokenizer.json) or a Hugging
+            Face folder (its config.json names a ``model_type``: BERT, RoBERTa, GPT-2, T5, Llama).
+        tokenizer: a tokenizer.json (or folder holding one) to use instead of the one in ``path``.
+        device: where the model goes.
+
+    Returns:
+        ``(model, tokenizer)``: the TransformerLM in eval mode and the :class:`~pretune.tokenize.Tokenizer`.
+
+    Raises:
+        ConfigError / CheckpointError / InteropError: the folder cannot be loaded (named);
+        TokenizerError: no tokenizer.json in the folder (and no ``tokenizer`` given).
+    """
+    from . import from_hf, load
+    from .interop import read_hf_config
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{path}: not a folder; expected a pretune checkpoint or a Hugging Face model folder")
+    if (path / "config.json").is_file() and "model_type" in read_hf_config(path):
+        model = from_hf(path)
+    else:
+        model = load(path)
+    model.to(device).eval()
+    if tokenizer is None and not (path / "tokenizer.json").is_file():
+        raise TokenizerError(f"{path} holds no tokenizer.json; give the model's tokenizer explicitly "
+                             f"(tokenizer=... / --tokenizer FILE)")
+    return model, Tokenizer.load(tokenizer if tokenizer is not None else path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedding
+# --------------------------------------------------------------------------------------------------
+
+def special_tokens(tok: Tokenizer, arch: str) -> tuple[list[int], list[int]]:
+    """(prefix, suffix) token ids put around every text for a model of family ``arch``.
+
+    Encoders: ``[cls] text [sep]`` when the tokenizer has both roles (BERT [CLS]/[SEP]; RoBERTa
+    <s>/</s> through the cls <- bos and sep <- eos fallbacks). Otherwise (decoders, encoder-decoders,
+    encoder tokenizers without those roles) what the tokenizer's own post-processor adds to a single
+    text, as ``transformers`` does: nothing for GPT-2, ``<s>`` for Llama, ``</s>`` after T5 text.
+    """
+    if arch == "encoder" and tok.cls_id is not None and tok.sep_id is not None:
+        return [tok.cls_id], [tok.sep_id]
+    plain = tok.tk.encode(_PROBE, add_special_tokens=False).ids
+    full = tok.tk.encode(_PROBE, add_special_tokens=True).ids
+    n = len(plain)
+    for start in range(len(full) - n + 1):
+        if full[start:start + n] == plain:
+            return full[:start], full[start + n:]
+    return [], []  # a post-processor that rewrites the text itself: add nothing
+
+
+def _check_pooling(pooling: str, arch: str) -> None:
+    allowed = POOLINGS.get(arch, ("mean",))
+    if pooling in allowed:
+        return
+    known = sorted({p for ps in POOLINGS.values() for p in ps})
+    if pooling not in known:
+        raise ConfigError(f"unknown pooling {pooling!r}; expected one of {', '.join(known)} "
+                          f"({arch} models: {', '.join(allowed)})")
+    raise ConfigError(f"pooling {pooling!r} does not apply to {arch} models; use one of {', '.join(allowed)}")
+
+
+def _max_tokens(model) -> int:
+    """Longest input the model's positions allow (RoBERTa's learned table starts at position_offset)."""
+    cfg = model.config
+    offset = cfg.position_offset if cfg.position == "learned" else 0
+    return cfg.max_seq_len - offset
+
+
+def _hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, dim) last hidden states of the stack that reads the text, without running the LM head."""
+    arch = model.config.arch
+    body = getattr(model, "transformer", None)
+    if body is None:  # not a TransformerLM: anything returning .last_hidden_state
+        return model(ids, attention_mask=mask).last_hidden_state
+    if arch == "decoder":
+        return body.decode(ids, mask)
+    return body.encode(ids, mask)  # encoders, and the encoder of an encoder-decoder
+
+
+def embed_texts(model, tok: Tokenizer, texts: Sequence[str], *, pooling: str = "mean", normalize: bool = False,
+                batch_size: int = 32, max_len: int | None = None, show_progress: bool = False) -> np.ndarray:
+    """One vector per text: the pooled last hidden states of ``model``.
+
+    Texts are tokenized with the model family's special tokens (see :func:`special_tokens`), truncated to
+    ``max_len`` tokens (the special tokens kept), sorted by length into batches (little padding), right
+    padded with an attention mask, run under ``torch.no_grad`` in eval mode, and returned in input order.
+
+    Args:
+        model: a TransformerLM (see :func:`load_encoder`); the LM head is not run.
+        tok: its tokenizer.
+        texts: the strings to embed.
+        pooling: ``"mean"`` (mean over real tokens, weighted by the attention mask, as sentence-transformers),
+            ``"cls"`` (first token; encoders and encoder-decoders) or ``"last"`` (last real token; decoders).
+        normalize: scale each vector to unit length (then dot product = cosine).
+        batch_size: texts per forward pass.
+        max_len: most tokens per text, special tokens included (default: what the model's positions allow).
+        show_progress: a tqdm progress bar (stderr).
+
+    Returns:
+        ``(len(texts), dim)`` float32 array.
+
+    Raises:
+        ConfigError: a pooling the model family has no use for, a bad batch_size/max_len, a token id
+            outside the model's vocabulary (a tokenizer that does not belong to the model).
+        DataError: a text with no tokens at all (empty, with a tokenizer that adds no special tokens).
+    """
+    cfg = model.config
+    _check_pooling(pooling, cfg.arch)
+    if isinstance(texts, str):
+        raise TypeError("embed_texts expects a list of strings, not one string")
+    texts = list(texts)
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise TypeError(f"texts[{bad}] is {type(texts[bad]).__name__}; expected str")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    prefix, suffix = special_tokens(tok, cfg.arch)
+    limit = _max_tokens(model)
+    max_len = limit if max_len is None else max_len
+    if max_len > limit:
+        raise ConfigError(f"max_len {max_len} is longer than the model's {limit} positions")
+    if max_len < len(prefix) + len(suffix) + 1:
+        raise ConfigError(f"max_len must leave room for a token besides the {len(prefix) + len(suffix)} special "
+                          f"ones, got {max_len}")
+    dim = cfg.dim
+    out = np.zeros((len(texts), dim), dtype=np.float32)
+    if not texts:
+        return out
+
+    room = max_len - len(prefix) - len(suffix)
+    seqs = [prefix + ids[:room] + suffix for ids in tok.encode_batch(texts)]
+    empty = next((i for i, s in enumerate(seqs) if not s), None)
+    if empty is not None:
+        raise DataError(f"text {empty} ({texts[empty]!r}) has no tokens, and the tokenizer adds no special "
+                        f"tokens; remove empty texts")
+    top = max(max(s) for s in seqs)
+    if top >= cfg.vocab_size:
+        raise ConfigError(f"the tokenizer produced id {top}, but the model's vocabulary has {cfg.vocab_size} "
+                          f"ids: is it the model's own tokenizer?")
+    lengths = np.array([len(s) for s in seqs])
+    order = np.argsort(-lengths, kind="stable")  # longest first: an out-of-memory shows up at once
+    pad = tok.pad_id if tok.pad_id is not None else 0
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    bar = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(texts), unit="text", desc="embedding", dynamic_ncols=True)
+    try:
+        with torch.no_grad():
+            for start in range(0, len(texts), batch_size):
+                rows = order[start:start + batch_size]
+                width = int(lengths[rows].max())
+                ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for r, k in enumerate(rows):
+                    ids[r, :lengths[k]] = torch.tensor(seqs[k])
+                    mask[r, :lengths[k]] = 1
+                ids, mask = ids.to(device), mask.to(device)
+                h = _hidden(model, ids, mask).float()  # (B, T, dim)
+                if pooling == "cls":
+                    pooled = h[:, 0]
+                elif pooling == "last":
+                    pooled = h[torch.arange(len(rows), device=device), mask.sum(1) - 1]
+                else:
+                    m = mask.unsqueeze(-1).to(h.dtype)
+                    pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+                if normalize:
+                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+                out[rows] = pooled.cpu().numpy()
+                if bar is not None:
+                    bar.update(len(rows))
+    finally:
+        if bar is not None:
+            bar.close()
+        model.train(was_training)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Similarity
+# --------------------------------------------------------------------------------------------------
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"expected a (N, dim) matrix of embeddings, got shape {x.shape}")
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def cosine_matrix(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """``(N, M)`` cosine similarities of the rows of ``a`` (N, dim) and ``b`` (M, dim; default ``a``)."""
+    ua = _unit(a)
+    return ua @ (ua if b is None else _unit(b)).T
+
+
+def pairwise_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``(N,)`` cosine of each aligned pair of rows ``a[k]``, ``b[k]``."""
+    ua, ub = _unit(a), _unit(b)
+    if ua.shape != ub.shape:
+        raise ValueError(f"pairs need matrices of the same shape, got {ua.shape} and {ub.shape}")
+    return np.einsum("nd,nd->n", ua, ub)
+
+
+def rank_pairs(emb_a: np.ndarray, emb_b: np.ndarray) -> list[tuple[int, float]]:
+    """Aligned pairs ``(emb_a[k], emb_b[k])`` ranked by cosine, highest first: ``[(k, cosine), ...]``
+    (ties keep input order)."""
+    sims = pairwise_cosine(emb_a, emb_b)
+    order = np.argsort(-sims, kind="stable")
+    return [(int(k), float(sims[k])) for k in order]
+
+
+def rank_all_pairs(emb: np.ndarray, *, top: int | None = None, chunk: int = 1024) -> list[tuple[int, int, float]]:
+    """Every pair ``i < j`` of the rows of ``emb`` ranked by cosine, highest first: ``[(i, j, cosine), ...]``.
+
+    With ``top`` only the best ``top`` pairs are kept, computed in row chunks, so memory stays
+    ``O(chunk * N + top)`` however many pairs there are (all of them take ``O(N^2)``).
+    """
+    u = _unit(emb)
+    n = len(u)
+    keep_i, keep_j, keep_s = [], [], []
+    for lo in range(0, n, chunk):
+        sims = u[lo:lo + chunk] @ u.T  # (c, N)
+        i, j = np.nonzero(np.arange(n)[None, :] > np.arange(lo, lo + len(sims))[:, None])  # upper triangle
+        s = sims[i, j]
+        i = i + lo
+        if top is not None and len(s) > top:
+            best = np.argpartition(-s, top - 1)[:top]
+            i, j, s = i[best], j[best], s[best]
+        keep_i.append(i)
+        keep_j.append(j)
+        keep_s.append(s)
+    if not keep_s:
+        return []
+    i, j, s = np.concatenate(keep_i), np.concatenate(keep_j), np.concatenate(keep_s)
+    order = np.lexsort((j, i, -s))  # highest cosine first; ties by (i, j)
+    if top is not None:
+        order = order[:top]
+    return [(int(i[k]), int(j[k]), float(s[k])) for k in order]
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading inputs
+# --------------------------------------------------------------------------------------------------
+
+def _is_plain(path: Path) -> bool:
+    return path.name.lower().removesuffix(".gz").endswith((".txt", ".text"))
+
+
+def _plain_lines(path: Path):
+    """(1-based line number, line without its line ending) of a UTF-8 text file (.gz too); blank lines skipped."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                line = line.rstrip("\r\n")
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")
+                if line.strip():
+                    yield lineno, line
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno + 1}: not valid UTF-8 ({e.reason}); expected UTF-8 text") from None
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read it ({e})") from None
+
+
+def _field(path: Path, num: int, record: dict, field: str) -> str:
+    where = f"{path}:{num}" if not path.name.lower().endswith(".parquet") else f"{path}: row {num}"
+    if field not in record:
+        raise DataError(f"{where}: record has no field {field!r}; it has fields {sorted(record)} "
+                        f"(pick one with --field)")
+    value = record[field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {field!r} is {type(value).__name__}; expected a string")
+    return value
+
+
+def _check_input(path: Path) -> None:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+
+
+def read_texts(path: str | os.PathLike, *, field: str = "text") -> list[str]:
+    """Texts of a .txt file (one per line, blank lines skipped) or of a .jsonl/.csv/.tsv/.parquet file
+    (column ``field``; every record is one text). Raises DataError for an empty file or a missing field."""
+    path = Path(path)
+    _check_input(path)
+    if _is_plain(path):
+        texts = [line for _, line in _plain_lines(path)]
+    else:
+        texts = [_field(path, num, rec, field) for num, rec in iter_records(path)]
+    if not texts:
+        raise DataError(f"{path}: no texts (empty file?)")
+    return texts
+
+
+def read_pairs(path: str | os.PathLike, *, field: str = "text", field_a: str = "text_a",
+               field_b: str = "text_b") -> tuple[list[str], list[tuple[str, str]] | None]:
+    """The input of ``--similarity``: ``(texts, None)`` for a list of texts (all pairs are compared) or
+    ``([], pairs)`` for explicit pairs.
+
+    A .txt file holds pairs when its first non-blank line has a tab (then every line must be
+    ``a<TAB>b``), else one text per line. A record file holds pairs when its first record has
+    ``field_a`` (then every record needs ``field_a`` and ``field_b``), else texts in ``field``.
+    """
+    path = Path(path)
+    _check_input(path)
+    pairs: list[tuple[str, str]] = []
+    texts: list[str] = []
+    if _is_plain(path):
+        lines = _plain_lines(path)
+        first = next(lines, None)
+        if first is None:
+            raise DataError(f"{path}: no texts (empty file?)")
+        if "\t" not in first[1]:
+            return [line for _, line in itertools.chain([first], lines)], None
+        for lineno, line in itertools.chain([first], lines):
+            parts = line.split("\t")
+            if len(parts) != 2:
+                raise DataError(f"{path}:{lineno}: {len(parts) - 1} tabs; expected one pair per line, "
+                                f"'text a<TAB>text b' (the first line is a pair)")
+            pairs.append((parts[0], parts[1]))
+        return [], pairs
+    records = iter_records(path)
+    first_num, first = next(records)
+    paired = field_a in first
+    if not paired and field not in first:
+        where = f"{path}:{first_num}" if not path.name.lower().endswith(".parquet") else f"{path}: row {first_num}"
+        raise DataError(f"{where}: record has neither {field_a!r} (pairs, with {field_b!r}) nor {field!r} (a list "
+                        f"of texts); it has fields {sorted(first)} (pick them with --field-a/--field-b or --field)")
+    for num, rec in itertools.chain([(first_num, first)], records):
+        if paired:
+            pairs.append((_field(path, num, rec, field_a), _field(path, num, rec, field_b)))
+        else:
+            texts.append(_field(path, num, rec, field))
+    return (texts, None) if not paired else ([], pairs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+def _write_atomic(path: Path, write) -> None:
+    """Write through a temporary file beside ``path`` renamed into place: no half-written outputs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; an output is an ordinary file
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    def write(fh):
+        for row in rows:
+            fh.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    _write_atomic(path, write)
+
+
+def _out_kind(out: str | None, similarity: bool) -> str | None:
+    if out is None:
+        if not similarity:
+            raise ConfigError("--out FILE is required (.npy for a matrix, .jsonl for text + embedding lines)")
+        return None
+    name = out.lower()
+    if similarity:
+        if not name.endswith(".jsonl"):
+            raise ConfigError(f"--out {out}: with --similarity the ranked pairs are written as JSONL; "
+                              f"expected a .jsonl file")
+        return "jsonl"
+    if name.endswith(".npy"):
+        return "npy"
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    raise ConfigError(f"--out {out}: unknown output type; expected .npy (matrix) or .jsonl (text + embedding)")
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+def _short(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def cmd_embed(args) -> int:
+    """``pretune embed``: embed the texts of a file, or rank pairs of them by cosine (``--similarity``)."""
+    kind = _out_kind(args.out, args.similarity)
+    if args.top is not None and args.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {args.top}")
+    if args.similarity:
+        texts, pairs = read_pairs(args.input, field=args.field, field_a=args.field_a, field_b=args.field_b)
+        if pairs is None and len(texts) < 2:
+            raise DataError(f"{args.input}: --similarity needs at least two texts (or pairs), got {len(texts)}")
+        if pairs is None and args.top is None and len(texts) * (len(texts) - 1) // 2 > _MAX_ALL_PAIRS:
+            raise ConfigError(f"{args.input}: {len(texts):,} texts make {len(texts) * (len(texts) - 1) // 2:,} "
+                              f"pairs; keep the most similar with --top N")
+    else:
+        texts, pairs = read_texts(args.input, field=args.field), None
+    model, tok = load_encoder(args.model, tokenizer=args.tokenizer)
+    if args.pooling is not None:
+        _check_pooling(args.pooling, model.config.arch)  # before any work
+    pooling = args.pooling or "mean"
+    unique = list(dict.fromkeys(texts if pairs is None else [t for p in pairs for t in p]))
+    show = not args.quiet and len(unique) >= _PROGRESS_MIN
+    emb = embed_texts(model, tok, unique, pooling=pooling, normalize=args.normalize, batch_size=args.batch_size,
+                      max_len=args.max_len, show_progress=show)
+    how = f"{pooling} pooling" + (", normalized" if args.normalize else "")
+
+    if not args.similarity:
+        out = Path(args.out)
+        if len(unique) != len(texts):  # repeated texts were embedded once
+            row = {t: k for k, t in enumerate(unique)}
+            emb = emb[[row[t] for t in texts]]
+        if kind == "npy":
+            _write_atomic(out, lambda fh: np.save(fh, emb))
+        else:
+            _write_jsonl(out, ({"text": t, "embedding": e.tolist()} for t, e in zip(texts, emb)))
+        print(f"embedded {len(texts):,} texts -> {out} ({emb.shape[0]} x {emb.shape[1]} float32, {how})")
+        return 0
+
+    row = {t: k for k, t in enumerate(unique)}
+    if pairs is not None:
+        ea = emb[[row[a] for a, _ in pairs]]
+        eb = emb[[row[b] for _, b in pairs]]
+        ranked = rank_pairs(ea, eb)
+        if args.top is not None:
+            ranked = ranked[:args.top]
+        results = [{"rank": r, "cosine": round(s, 6), "pair": k, "text_a": pairs[k][0], "text_b": pairs[k][1]}
+                   for r, (k, s) in enumerate(ranked, start=1)]
+        total = len(pairs)
+        what = f"{total:,} pairs"
+    else:
+        ranked = rank_all_pairs(emb[[row[t] for t in texts]], top=args.top)
+        results = [{"rank": r, "cosine": round(s, 6), "i": i, "j": j, "text_a": texts[i], "text_b": texts[j]}
+                   for r, (i, j, s) in enumerate(ranked, start=1)]
+        total = len(texts) * (len(texts) - 1) // 2
+        what = f"all {total:,} pairs of {len(texts):,} texts"
+    shown = f"top {len(results):,} of " if len(results) < total else ""
+    print(f"cosine similarity ({how}), {shown}{what}, highest first:")
+    for res in results:
+        print(f"  {res['rank']:>4}  {res['cosine']:+.4f}  {_short(res['text_a'], 48):<48} | "
+              f"{_short(res['text_b'], 48)}")
+    if kind == "jsonl":
+        _write_jsonl(Path(args.out), results)
+        print(f"ranked pairs -> {args.out}")
+    return 0
+
+
+EMBED_DESCRIPTION = (
+    "Embed texts with a pretrained model (a pretune checkpoint folder or a Hugging Face folder): the last hidden "
+    "states of each text, pooled into one vector (mean over real tokens, the [CLS] token, or a decoder's last "
+    "token). INPUT is a .txt file (one text per line, blank lines skipped) or a .jsonl/.csv/.tsv/.parquet file "
+    "(text in --field). --out .npy writes the (N, dim) float32 matrix, .jsonl one {\"text\", \"embedding\"} "
+    "object per line. With --similarity, pairs are ranked by cosine instead: explicit pairs (.txt lines "
+    "'a<TAB>b', or records with --field-a/--field-b) or all pairs of a list of texts.")
+EMBED_EPILOG = """examples:
+  pretune embed MODEL_DIR sentences.txt --out emb.npy             one text per line -> (N, dim) matrix
+  pretune embed MODEL_DIR docs.jsonl --field body --out emb.jsonl  {"text": ..., "embedding": [...]} lines
+  pretune embed MODEL_DIR pairs.txt --similarity                   "a<TAB>b" lines, ranked by cosine
+  pretune embed MODEL_DIR sentences.txt --similarity --top 10      the 10 most similar of all pairs
+"""
+
+
+def add_embed_parser(sub) -> argparse.ArgumentParser:
+    """Register ``embed`` on an argparse subparsers object (``func=cmd_embed``); returns its parser."""
+    s = sub.add_parser("embed", help="contextual sentence embeddings and cosine similarity of texts",
+                       description=textwrap.fill(EMBED_DESCRIPTION, 100), epilog=EMBED_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("model", metavar="MODEL", help="pretune checkpoint folder or Hugging Face model folder")
+    s.add_argument("input", metavar="INPUT", help=".txt, .jsonl, .csv, .tsv or .parquet file")
+    s.add_argument("--out", metavar="FILE", help=".npy or .jsonl (required unless --similarity; written atomically)")
+    s.add_argument("--pooling", choices=["mean", "cls", "last"],
+                   help="mean (default; over real tokens), cls (first token; encoders), last (last token; decoders)")
+    s.add_argument("--normalize", action="store_true", help="scale every embedding to unit length")
+    s.add_argument("--batch-size", type=int, default=32, metavar="N", help="texts per forward pass (default 32)")
+    s.add_argument("--max-len", type=int, metavar="N",
+                   help="most tokens per text, special tokens included (default: the model's maximum)")
+    s.add_argument("--field", default="text", metavar="NAME",
+                   help="JSONL/CSV/Parquet column with the text (default text)")
+    s.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json or folder, if MODEL holds none")
+    s.add_argument("--similarity", action="store_true",
+                   help="rank pairs by cosine (highest first) instead of writing embeddings; --out gets JSONL")
+    s.add_argument("--field-a", default="text_a", metavar="NAME",
+                   help="with --similarity: first text of a pair (default text_a)")
+    s.add_argument("--field-b", default="text_b", metavar="NAME",
+                   help="with --similarity: second text of a pair (default text_b)")
+    s.add_argument("--top", type=int, metavar="N", help="with --similarity: keep only the N most similar pairs")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_embed)
+    return s

@@ -1,0 +1,246 @@
+"""The task interface: labelled records → features (numpy) → padded batch → loss and predictions.
+
+A task is an :class:`~pretune.objectives.base.Objective` without corruption, so finetuning runs in
+the same training loop as pretraining. Beyond the objective interface it knows how to read and
+validate its records (every error names ``file:line``), build the label map, encode a record into
+one or more features (QA: one per sliding window), and turn model outputs back into predictions
+per record, which ``tasks.metrics`` scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from ..config import ConfigError
+from ..data.readers import DataError
+from ..objectives.base import IGNORE, Objective
+
+TaskName = Literal["classification", "pair", "regression", "tagging", "qa", "seq2seq"]
+
+
+@dataclass
+class TaskConfig:
+    """What the data looks like and how it becomes model inputs; each task reads the fields it needs."""
+
+    name: TaskName = "classification"  # the downstream task (see `pretune finetune --help`)
+    text_field: str = "text"  # classification / regression: the input text
+    text_a_field: str = "text_a"  # pair (and pair regression): first sentence
+    text_b_field: str = "text_b"  # pair: second sentence; regression uses it when the record has it
+    label_field: str = "label"  # class name (or number) / real value
+    tokens_field: str = "tokens"  # tagging: list of words
+    tags_field: str = "tags"  # tagging: list of tags, one per word (BIO for NER)
+    context_field: str = "context"  # qa: the passage
+    question_field: str = "question"  # qa: the question
+    answers_field: str = "answers"  # qa: {"text": [...], "answer_start": [...]} (SQuAD) or a list of strings
+    source_field: str = "source"  # seq2seq: input text
+    target_field: str = "target"  # seq2seq: output text
+    labels: list[str] = field(default_factory=list)  # the label set in id order; empty: read from the training data
+    max_len: int = 128  # tokens per input, special tokens included (qa: per window)
+    pooling: str = ""  # classification/regression sentence vector: pooler, cls, mean, last; empty: by family
+    pair_style: Literal["auto", "bert", "gpt"] = "auto"  # auto: bert for encoders, gpt for decoders
+    stride: int = 32  # qa: context tokens shared by consecutive windows of a long context
+    max_answer_len: int = 30  # qa: longest answer span in tokens
+    null_threshold: float = 0.0  # qa: answer "" when best span score < null score + threshold (SQuAD 2.0)
+    prefix: str = ""  # seq2seq: task prefix put before the source ("sst2 sentence: ")
+    max_target_len: int = 32  # seq2seq: target tokens (training truncation and generation length)
+    metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
+
+
+@dataclass
+class Record:
+    """One labelled row: where it came from (``file:line``) and its raw fields."""
+
+    where: str
+    data: dict
+
+
+def read_records(path: str | Path, *, errors: str = "strict") -> list[Record]:
+    """Every record of a JSONL/CSV/TSV/Parquet file; an empty file is an error naming it."""
+    from ..data.readers import iter_records
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return [Record(f"{path.name}:{n}", rec) for n, rec in iter_records(path, errors=errors)]
+
+
+def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, what: str = "") -> Any:
+    """``rec.data[name]`` checked for presence and type; errors name the row and the fields it has."""
+    if name not in rec.data or rec.data[name] is None:
+        have = ", ".join(sorted(map(str, rec.data))) or "none"
+        raise DataError(f"{rec.where}: missing field {name!r}{f' ({what})' if what else ''}; the record has: {have}. "
+                        f"Set the task's field name (e.g. task.{_field_key(name)}=...)")
+    value = rec.data[name]
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise DataError(f"{rec.where}: field {name!r} should be {names}, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _field_key(name: str) -> str:
+    return {"text": "text_field", "label": "label_field"}.get(name, "<name>_field")
+
+
+class Task(Objective):
+    """Base of the downstream tasks. Subclasses set ``name``, ``model_head`` and the hooks below."""
+
+    corrupts = False  # no random corruption: the same feature every epoch
+    archs = ("encoder", "decoder", "encoder-decoder")
+    model_head: ClassVar[str]  # ModelConfig.head the task trains
+    has_labels: ClassVar[bool] = False  # a discrete label map lives in the model config
+    term = "task"  # the loss term name in logs (task_loss, task_acc)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "model_head" in cls.__dict__:
+            cls.head = cls.model_head  # the Objective check: the model must carry this head
+
+    def __init__(self, cfg: TaskConfig, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.max_len = min(cfg.max_len, model_cfg.max_seq_len)
+        self.labels: list[str] = list(model_cfg.labels or []) if self.has_labels else []
+        self.label_ids = {name: i for i, name in enumerate(self.labels)}
+
+    # -- data -----------------------------------------------------------------------------------
+    @classmethod
+    def label_set(cls, cfg: TaskConfig, records: list[Record]) -> list[str]:
+        """The label map for training: ``cfg.labels`` or the sorted labels found in ``records``."""
+        return []
+
+    @classmethod
+    def head_config(cls, cfg: TaskConfig, labels: list[str]) -> dict:
+        """ModelConfig fields of the head this task trains."""
+        out: dict = {"head": cls.model_head}
+        if cls.model_head in ("classification", "tagging"):
+            out.update(num_labels=len(labels), labels=list(labels))
+        elif cls.model_head == "regression":
+            out.update(num_labels=1, labels=None)
+        elif cls.model_head == "qa":
+            out.update(num_labels=2, labels=None)
+        if cls.model_head in ("classification", "regression") and cfg.pooling:
+            out["pooling"] = cfg.pooling
+        return out
+
+    def check(self, rec: Record, *, labelled: bool = True) -> None:
+        """Validate one record (fields present, label known); raise DataError naming its row."""
+
+    def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
+        """Features (numpy arrays; keys starting with '_' are metadata, not collated) for one record."""
+        raise NotImplementedError
+
+    def example(self, block, rng, random_block):
+        return {k: v for k, v in block.items() if not k.startswith("_")}
+
+    def collate(self, examples):
+        return super().collate([{k: v for k, v in e.items() if not k.startswith("_")} for e in examples])
+
+    # -- model side -----------------------------------------------------------------------------
+    def counts(self, batch):
+        return {self.term: int(batch["labels"].numel() if batch["labels"].ndim == 1
+                               else (batch["labels"] != IGNORE).sum())}
+
+    def forward_logits(self, model, batch) -> torch.Tensor:
+        return model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")).logits
+
+    @torch.no_grad()
+    def outputs(self, model, batch) -> list:
+        """Per-example raw outputs (numpy) for :meth:`predict`."""
+        logits = self.forward_logits(model, batch).float()
+        mask = batch["attention_mask"]
+        if logits.ndim == 2:
+            return list(logits.cpu().numpy())
+        return [row[: int(m.sum())] for row, m in zip(logits.cpu().numpy(), mask)]
+
+    def predict(self, records: list[Record], features: list[dict], outputs: list) -> list:
+        """One prediction per record from the outputs of its features (features carry ``_record``)."""
+        raise NotImplementedError
+
+    def reference(self, rec: Record):
+        """The gold answer of a record, in the form ``predict`` returns (for metrics)."""
+        raise NotImplementedError
+
+    def prediction_json(self, rec: Record, pred) -> dict:
+        """One line of ``pretune predict`` output."""
+        return {"prediction": pred}
+
+
+# -- input layouts shared by the sentence tasks ---------------------------------------------------
+class Layout:
+    """How one or two texts become model input for a family.
+
+    BERT (encoders): ``[CLS] a [SEP] b [SEP]`` with segment ids 0/1 (Devlin et al. 2019).
+    GPT (decoders): ``[START] a [DELIM] b [EXTRACT]``; the head reads the last token (Radford et al. 2018 §3.3).
+    T5 (encoder-decoders): ``a [EOS] b [EOS]`` (the encoder reads the text; the head pools it).
+    Tokens a tokenizer lacks are left out (e.g. GPT-2 has no [START]); EXTRACT is required for decoders.
+    """
+
+    def __init__(self, tok, model_cfg, style: str = "auto"):
+        arch = model_cfg.arch
+        if style == "auto":
+            style = {"encoder": "bert", "decoder": "gpt", "encoder-decoder": "t5"}[arch]
+        if style == "bert" and arch == "decoder":
+            raise ConfigError("task.pair_style='bert' needs an encoder: a decoder only sees to the left, so its "
+                              "[CLS] would see nothing; use pair_style=gpt (or auto)")
+        if style == "gpt" and arch != "decoder":
+            raise ConfigError(f"task.pair_style='gpt' is the decoder-only input format; the model is {arch}")
+        self.style = style
+
+        def first(*ids):
+            return next((int(i) for i in ids if i is not None), None)
+
+        if style == "bert":
+            self.start, self.delim = first(tok.cls_id, tok.bos_id), first(tok.sep_id, tok.eos_id)
+            self.end = self.delim
+        elif style == "gpt":
+            self.start = first(tok.bos_id, tok.cls_id)
+            self.delim = first(tok.sep_id, tok.eos_id)
+            self.end = first(tok.eos_id, tok.cls_id, tok.sep_id)
+            if self.end is None:
+                raise ConfigError("the GPT input format needs an [EXTRACT] token (EOS, CLS or SEP); the tokenizer has "
+                                  "none")
+        else:
+            self.start, self.delim = None, first(tok.eos_id, tok.sep_id)
+            self.end = self.delim
+        if self.start == self.end and style == "gpt":
+            self.start = None  # GPT-2's <|endoftext|> serves as [EXTRACT]; no separate [START]
+        self.token_types = bool(model_cfg.token_types) and style == "bert"
+
+    def n_special(self, pair: bool) -> int:
+        ends = [self.start, self.delim if pair else None, self.end]
+        return sum(t is not None for t in ends)
+
+    def build(self, a: list[int], b: list[int] | None, max_len: int) -> dict:
+        """input_ids, attention_mask (and token_type_ids) for a (pair of) token list(s), truncated
+        longest-first so the whole input fits ``max_len``."""
+        budget = max_len - self.n_special(b is not None)
+        if budget < (2 if b is not None else 1):
+            raise ConfigError(f"task.max_len={max_len} leaves no room for text after the special tokens")
+        a = list(a)
+        b = list(b) if b is not None else None
+        while len(a) + (len(b) if b is not None else 0) > budget:  # longest-first (BERT's run_classifier)
+            if b is not None and len(b) > len(a):
+                b.pop()
+            else:
+                a.pop()
+        ids = ([self.start] if self.start is not None else []) + a
+        types = [0] * len(ids)
+        if b is not None:
+            if self.delim is not None:
+                ids.append(self.delim)
+                types.append(0)
+            ids += b
+            types += [1] * len(b)
+        if self.end is not None:
+            ids.append(self.end)
+            types.append(1 if b is not None else 0)
+        out = {"input_ids": np.asarray(ids, dtype=np.int64), "attention_mask": np.ones(len(ids), dtype=np.int64)}
+        if self.token_types:
+            out["token_type_ids"] = np.asarray(types, dtype=np.int64)
+        return out

@@ -1,0 +1,124 @@
+"""Sentence tasks: single-sentence classification, sentence-pair classification, regression (STS-B)."""
+
+from __future__ import annotations
+
+import numpy as np
+from torch import nn
+
+from ..data.readers import DataError
+from .base import Layout, Record, Task, TaskConfig, get_field
+
+
+def _label_str(value) -> str:
+    return value if isinstance(value, str) else (str(int(value)) if float(value).is_integer() else str(value))
+
+
+class Classification(Task):
+    """One text → one of N labels; the head reads the pooled sequence (see ModelConfig.pooling)."""
+
+    name = "classification"
+    model_head = "classification"
+    has_labels = True
+    pair = False
+
+    def __init__(self, cfg: TaskConfig, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.layout = Layout(tokenizer, model_cfg, cfg.pair_style if self.pair else "auto")
+
+    def texts(self, rec: Record) -> tuple[str, str | None]:
+        if self.pair:
+            return get_field(rec, self.cfg.text_a_field), get_field(rec, self.cfg.text_b_field)
+        return get_field(rec, self.cfg.text_field), None
+
+    @classmethod
+    def label_set(cls, cfg: TaskConfig, records: list[Record]) -> list[str]:
+        if cfg.labels:
+            return list(cfg.labels)
+        found = set()
+        for rec in records:
+            found.add(_label_str(get_field(rec, cfg.label_field, (str, int, float))))
+        if len(found) < 2:
+            raise DataError(f"the training data has {len(found)} distinct label(s) in field {cfg.label_field!r} "
+                            f"({sorted(found)}): classification needs at least 2")
+        return sorted(found, key=lambda x: (not x.lstrip("-").isdigit(), int(x) if x.lstrip("-").isdigit() else 0, x))
+
+    def label_id(self, rec: Record) -> int:
+        label = _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
+        if label not in self.label_ids:
+            known = ", ".join(self.labels[:20]) + (" ..." if len(self.labels) > 20 else "")
+            raise DataError(f"{rec.where}: label {label!r} is not in the model's label map ({known})")
+        return self.label_ids[label]
+
+    def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
+        a, b = self.texts(rec)
+        enc = self.tok.tk.encode_batch([a] + ([b] if b is not None else []), add_special_tokens=False)
+        feat = self.layout.build(enc[0].ids, enc[1].ids if b is not None else None, self.max_len)
+        if labelled:
+            feat["labels"] = self.target(rec)
+        return [feat]
+
+    def target(self, rec: Record):
+        return np.int64(self.label_id(rec))
+
+    def loss(self, model, batch, totals):
+        logits = self.forward_logits(model, batch).float()  # (B, num_labels)
+        loss = nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
+        correct = (logits.argmax(-1) == batch["labels"]).sum()
+        return loss / totals[self.term], {"task_loss": float(loss.detach()), "task_correct": float(correct)}
+
+    def predict(self, records, features, outputs):
+        return [self.labels[int(np.argmax(o))] for o in outputs]
+
+    def reference(self, rec: Record):
+        return _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
+
+    def prediction_json(self, rec, pred):
+        return {"prediction": pred}
+
+
+class Pair(Classification):
+    """Two texts → a label (NLI, paraphrase, "does gloss B define word A?"): BERT or GPT input format."""
+
+    name = "pair"
+    pair = True
+
+
+class Regression(Classification):
+    """One text (or a pair) → one real value (STS-B); mean squared error."""
+
+    name = "regression"
+    model_head = "regression"
+    has_labels = False
+
+    def texts(self, rec: Record):
+        if self.cfg.text_a_field in rec.data and self.cfg.text_field not in rec.data:
+            return get_field(rec, self.cfg.text_a_field), get_field(rec, self.cfg.text_b_field)
+        return get_field(rec, self.cfg.text_field), None
+
+    @classmethod
+    def label_set(cls, cfg, records):
+        return []
+
+    def target(self, rec: Record):
+        value = get_field(rec, self.cfg.label_field, (int, float, str))
+        try:
+            v = float(value)
+        except ValueError:
+            raise DataError(f"{rec.where}: regression label {value!r} is not a number") from None
+        if not np.isfinite(v):
+            raise DataError(f"{rec.where}: regression label {value!r} is not finite")
+        return np.float32(v)
+
+    def loss(self, model, batch, totals):
+        pred = self.forward_logits(model, batch).float().squeeze(-1)  # (B,)
+        loss = nn.functional.mse_loss(pred, batch["labels"].float(), reduction="sum")
+        return loss / totals[self.term], {"task_loss": float(loss.detach())}
+
+    def predict(self, records, features, outputs):
+        return [float(o[0]) for o in outputs]
+
+    def reference(self, rec: Record):
+        return float(get_field(rec, self.cfg.label_field, (int, float, str)))
+
+    def counts(self, batch):
+        return {self.term: int(batch["labels"].shape[0])}

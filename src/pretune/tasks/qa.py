@@ -1,0 +1,104 @@
+"""Extractive question answering (SQuAD 1.1 / 2.0): predict the answer's start and end tokens.
+
+Records hold ``context``, ``question`` and ``answers`` — SQuAD's ``{"text": [...], "answer_start": [...]}``,
+a list of ``{"text", "answer_start"}``, a list of strings, or one string; an empty list means the
+question has no answer in the context (SQuAD 2.0). Long contexts are cut into overlapping windows
+(``task.stride``); the best legal span over all windows wins unless the no-answer score is higher.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from torch import nn
+
+from ..data.readers import DataError
+from . import qa_spans
+from .base import Record, Task, get_field
+
+_META = ("offsets", "window", "record")
+
+
+class QA(Task):
+    name = "qa"
+    model_head = "qa"
+
+    def answers(self, rec: Record) -> list[tuple[str, int | None]]:
+        """Gold answers as (text, answer_start or None)."""
+        raw = get_field(rec, self.cfg.answers_field, (dict, list, str), what="the gold answers")
+        if isinstance(raw, str):
+            return [(raw, None)] if raw else []
+        if isinstance(raw, dict):
+            texts = raw.get("text", [])
+            starts = raw.get("answer_start", [None] * len(texts))
+            texts = [texts] if isinstance(texts, str) else list(texts)
+            starts = [starts] if isinstance(starts, int) else list(starts)
+            if len(starts) != len(texts):
+                raise DataError(f"{rec.where}: answers has {len(texts)} text(s) but {len(starts)} answer_start(s)")
+            return [(str(t), s) for t, s in zip(texts, starts)]
+        out = []
+        for a in raw:
+            if isinstance(a, dict):
+                if "text" not in a:
+                    raise DataError(f"{rec.where}: an answer object needs a 'text' key, got {a!r:.80}")
+                out.append((str(a["text"]), a.get("answer_start")))
+            else:
+                out.append((str(a), None))
+        return out
+
+    def spans(self, rec: Record, context: str) -> list[tuple[int, int]]:
+        return [qa_spans.find_answer(context, text, start, where=rec.where) for text, start in self.answers(rec)
+                if text != ""]
+
+    def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
+        context = get_field(rec, self.cfg.context_field)
+        question = get_field(rec, self.cfg.question_field)
+        spans = self.spans(rec, context) if labelled else []
+        feats = qa_spans.qa_features(self.tok, question, context, spans, max_len=self.max_len,
+                                     stride=self.cfg.stride, where=rec.where)
+        out = []
+        use_types = bool(self.model_cfg.token_types) and self.model_cfg.arch == "encoder"
+        for f in feats:
+            g = {"input_ids": f["input_ids"], "attention_mask": f["attention_mask"]}
+            if use_types:
+                g["token_type_ids"] = f["token_type_ids"]
+            if labelled:
+                g["start_positions"] = np.int64(f["start_positions"])
+                g["end_positions"] = np.int64(f["end_positions"])
+            g["_offsets"] = f["offsets"]
+            g["_window"] = f.get("window", 0)
+            out.append(g)
+        return out
+
+    def counts(self, batch):
+        return {self.term: int(batch["input_ids"].shape[0])}
+
+    def loss(self, model, batch, totals):
+        logits = self.forward_logits(model, batch).float()  # (B, T, 2)
+        start, end = logits[..., 0], logits[..., 1]
+        ce = nn.functional.cross_entropy
+        loss = (ce(start, batch["start_positions"], reduction="sum")
+                + ce(end, batch["end_positions"], reduction="sum")) / 2  # BERT: mean of start and end losses
+        correct = ((start.argmax(-1) == batch["start_positions"]) & (end.argmax(-1) == batch["end_positions"])).sum()
+        return loss / totals[self.term], {"task_loss": float(loss.detach()), "task_correct": float(correct)}
+
+    def predict(self, records, features, outputs):
+        by_record: dict[int, list[int]] = {}
+        for i, f in enumerate(features):
+            by_record.setdefault(int(f["_record"]), []).append(i)
+        preds = []
+        for r, rec in enumerate(records):
+            idx = by_record.get(r, [])
+            feats = [{"offsets": features[i]["_offsets"], "input_ids": features[i]["input_ids"]} for i in idx]
+            starts = [outputs[i][:, 0] for i in idx]
+            ends = [outputs[i][:, 1] for i in idx]
+            text, _ = qa_spans.decode_answer(feats, starts, ends, get_field(rec, self.cfg.context_field),
+                                             max_answer_len=self.cfg.max_answer_len,
+                                             null_threshold=self.cfg.null_threshold)
+            preds.append(text)
+        return preds
+
+    def reference(self, rec: Record):
+        return [t for t, _ in self.answers(rec) if t != ""]
+
+    def prediction_json(self, rec, pred):
+        return {"question": get_field(rec, self.cfg.question_field), "prediction": pred}
