@@ -154,7 +154,7 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)
     if tp is str:
-        return str(value)
+        return "" if value is None else str(value)  # `key=` on the command line reads as null
     return value
 
 

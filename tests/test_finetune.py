@@ -1,0 +1,232 @@
+"""pretune finetune / evaluate / predict: modes (full, frozen body, from scratch, keep-best, early
+stopping), the saved checkpoint (label map, task.json, HF export) and bad input naming its row."""
+
+import json
+
+import pytest
+import torch
+
+from pretune import load
+from pretune.cli import main
+from pretune.config import ConfigError
+from pretune.data.readers import DataError
+from pretune.finetune import evaluate, finetune, load_finetune_config, predict
+
+from conftest import corpus_paragraphs
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    out = []
+    for p in corpus_paragraphs("austen.txt.gz", 200):
+        out += [s.strip() + "." for s in p.replace("\n", " ").split(".") if len(s.split()) >= 4]
+    return out[:400]
+
+
+@pytest.fixture(scope="module")
+def cls_data(tmp_path_factory, sentences):
+    """A learnable labelling of real sentences: 'question' when the sentence contains a question-ish word."""
+    d = tmp_path_factory.mktemp("cls")
+
+    def label(s):
+        return "long" if len(s.split()) > 14 else "short"
+
+    rows = [{"text": s, "label": label(s)} for s in sentences]
+    return {"train": _write(d / "train.jsonl", rows[:240]), "dev": _write(d / "dev.jsonl", rows[240:320]),
+            "test": _write(d / "test.jsonl", rows[320:400]), "dir": d}
+
+
+def _cfg(tokenizers_by_kind, data, out, *extra, preset="tiny-bert-base", task="classification"):
+    return load_finetune_config(None, [f"model.preset={preset}", f"tokenizer={tokenizers_by_kind['wordpiece']}",
+                                       f"task.name={task}", f"data.train={data['train']}", f"data.dev={data['dev']}",
+                                       f"data.test={data['test']}", f"train.out={out}", "train.batch_size=16",
+                                       "train.lr=2e-3", "tune.epochs=2", "train.plot=false", *extra])
+
+
+def test_finetune_saves_a_checkpoint_with_label_map_and_task(tokenizers_by_kind, cls_data, tmp_path):
+    res = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run"), show_progress=False, log=lambda *a: None)
+    model = load(res.model_dir)
+    assert model.config.head == "classification" and model.config.labels == ["long", "short"]
+    task = json.loads((res.model_dir / "task.json").read_text())
+    assert task["name"] == "classification" and task["text_field"] == "text"
+    assert (res.model_dir / "tokenizer.json").is_file()
+    results = json.loads((res.run_dir / "results.json").read_text())
+    assert results["test"] == res.test and 0 <= res.test["accuracy"] <= 1
+    assert set(res.test) == {"accuracy", "macro_f1", "micro_f1", "mcc"}
+    # evaluate reproduces the run's own test score; predict writes one line per record
+    again = evaluate(res.model_dir, cls_data["test"], show_progress=False)
+    assert again["accuracy"] == pytest.approx(res.test["accuracy"])
+    n = predict(res.model_dir, cls_data["test"], tmp_path / "p.jsonl", show_progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert n == len(lines) == 80 and lines[0]["row"] == "test.jsonl:1" and lines[0]["prediction"] in ("long", "short")
+
+
+def test_keep_best_restores_the_best_dev_evaluation(tokenizers_by_kind, cls_data, tmp_path):
+    cfg = _cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.evals_per_epoch=3", "tune.epochs=3")
+    res = finetune(cfg, show_progress=False, log=lambda *a: None)
+    accs = [h["accuracy"] for _, h in res.history]
+    assert len(accs) >= 6
+    best_step, best = max(res.history, key=lambda h: h[1]["accuracy"])
+    assert res.best_step == best_step and res.dev["accuracy"] == best["accuracy"]
+    again = evaluate(res.model_dir, cls_data["dev"], show_progress=False)
+    assert again["accuracy"] == pytest.approx(best["accuracy"])  # the saved model is the best one
+
+
+def test_early_stopping_stops_after_patience(tokenizers_by_kind, cls_data, tmp_path):
+    # lr 0 → no evaluation ever improves on the first: stop after `patience` more evaluations
+    cfg = _cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.evals_per_epoch=4", "tune.patience=2",
+               "train.lr=1e-12", "tune.epochs=5")
+    res = finetune(cfg, show_progress=False, log=lambda *a: None)
+    assert len(res.history) == 3 and res.best_step == res.history[0][0]
+    assert json.loads((res.run_dir / "results.json").read_text())["stopped_early"] is True
+
+
+def test_freeze_body_trains_only_the_head(tokenizers_by_kind, cls_data, tmp_path):
+    first = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "a", "tune.epochs=1"), show_progress=False,
+                     log=lambda *a: None)
+    cfg = load_finetune_config(None, [f"model.init={first.model_dir}", "task.name=classification",
+                                      f"data.train={cls_data['train']}", f"data.dev={cls_data['dev']}",
+                                      f"train.out={tmp_path / 'b'}", "tune.freeze_body=true", "tune.epochs=1",
+                                      "train.lr=1e-2", "train.batch_size=16", "tune.keep_best=false", "train.plot=false"])
+    res = finetune(cfg, show_progress=False, log=lambda *a: None)
+    before, after = load(first.model_dir).state_dict(), load(res.model_dir).state_dict()
+    for k in before:
+        if k.startswith("head."):
+            assert not torch.equal(before[k], after[k]), k
+        else:
+            assert torch.equal(before[k], after[k]), k
+
+
+def test_from_scratch_keeps_the_architecture_and_drops_the_weights(tokenizers_by_kind, cls_data, tmp_path):
+    first = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "a", "tune.epochs=1"), show_progress=False,
+                     log=lambda *a: None)
+    cfg = load_finetune_config(None, [f"model.init={first.model_dir}", "task.name=classification",
+                                      f"data.train={cls_data['train']}", f"train.out={tmp_path / 'b'}",
+                                      "tune.from_scratch=true", "train.lr=1e-12", "tune.epochs=1",
+                                      "train.batch_size=16", "train.plot=false"])
+    res = finetune(cfg, show_progress=False, log=lambda *a: None)
+    a, b = load(first.model_dir), load(res.model_dir)
+    assert a.config == b.config
+    emb_a, emb_b = a.transformer.embed.weight, b.transformer.embed.weight
+    assert emb_a.shape == emb_b.shape and not torch.allclose(emb_a, emb_b)
+
+
+def test_finetuned_model_exports_to_hf_sequence_classification(tokenizers_by_kind, cls_data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from pretune import to_hf
+
+    cfg = _cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.epochs=1", "model.pooler=true")
+    res = finetune(cfg, show_progress=False, log=lambda *a: None)
+    ours = load(res.model_dir)
+    to_hf(ours, tmp_path / "hf")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "BertForSequenceClassification"
+    assert hf.config.id2label == {0: "long", 1: "short"}
+    x = torch.randint(5, 500, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, ours(x).logits, atol=1e-5, rtol=1e-5)
+
+
+# -- bad input: each a clear error naming the row -------------------------------------------------
+def test_unknown_label_at_test_time_names_the_row(tokenizers_by_kind, cls_data, tmp_path):
+    res = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.epochs=1"), show_progress=False,
+                   log=lambda *a: None)
+    bad = _write(tmp_path / "bad.jsonl", [{"text": "a fine day.", "label": "short"},
+                                          {"text": "another day.", "label": "medium"}])
+    with pytest.raises(DataError, match=r"bad.jsonl:2: label 'medium' is not in the model's label map \(long, short"):
+        evaluate(res.model_dir, bad, show_progress=False)
+
+
+def test_labels_that_do_not_match_the_models_label_map(tokenizers_by_kind, cls_data, tmp_path):
+    res = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.epochs=1"), show_progress=False,
+                   log=lambda *a: None)
+    rows = [{"text": f"sentence number {i}.", "label": "short"} for i in range(20)]
+    rows[7]["label"] = "positive"
+    train = _write(tmp_path / "more.jsonl", rows)
+    cfg = load_finetune_config(None, [f"model.init={res.model_dir}", "task.name=classification",
+                                      f"data.train={train}", f"train.out={tmp_path / 'again'}"])
+    with pytest.raises(DataError, match=r"more.jsonl:8: label 'positive' is not in the model's label map"):
+        finetune(cfg, show_progress=False, log=lambda *a: None)
+
+
+def test_missing_field_names_the_row_and_the_fix(tokenizers_by_kind, cls_data, tmp_path):
+    train = _write(tmp_path / "train.jsonl", [{"text": "one.", "label": "a"}, {"sentence": "two.", "label": "b"}])
+    data = dict(cls_data, train=train)
+    with pytest.raises(DataError, match=r"train.jsonl:2: missing field 'text'.*the record has: label, sentence.*"
+                                        r"task.text_field"):
+        finetune(_cfg(tokenizers_by_kind, data, tmp_path / "run"), show_progress=False, log=lambda *a: None)
+
+
+def test_empty_dataset_is_an_error(tokenizers_by_kind, cls_data, tmp_path):
+    empty = tmp_path / "train.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="train.jsonl: no records"):
+        finetune(_cfg(tokenizers_by_kind, dict(cls_data, train=empty), tmp_path / "run"), show_progress=False,
+                 log=lambda *a: None)
+
+
+def test_single_label_training_set_is_an_error(tokenizers_by_kind, cls_data, tmp_path):
+    train = _write(tmp_path / "train.jsonl", [{"text": "one.", "label": "a"}, {"text": "two.", "label": "a"}])
+    with pytest.raises(DataError, match="1 distinct label"):
+        finetune(_cfg(tokenizers_by_kind, dict(cls_data, train=train), tmp_path / "run"), show_progress=False,
+                 log=lambda *a: None)
+
+
+def test_qa_answer_not_in_context_names_the_row(tokenizers_by_kind, cls_data, tmp_path):
+    rows = [{"context": "The code is alpha. It rained.", "question": "What is the code?",
+             "answers": {"text": ["alpha"], "answer_start": [12]}},
+            {"context": "The code is beta. It rained.", "question": "What is the code?",
+             "answers": {"text": ["gamma"], "answer_start": [12]}}]
+    train = _write(tmp_path / "qa.jsonl", rows)
+    with pytest.raises(DataError, match=r"qa.jsonl:2: .*gamma"):
+        finetune(_cfg(tokenizers_by_kind, dict(cls_data, train=train, dev=train, test=""), tmp_path / "run",
+                      task="qa"), show_progress=False, log=lambda *a: None)
+
+
+def test_bad_config_values_name_the_key(tokenizers_by_kind, cls_data, tmp_path):
+    with pytest.raises(ConfigError, match="task.name='clasification' is not one of"):
+        load_finetune_config(None, ["task.name=clasification"])
+    with pytest.raises(ConfigError, match="did you mean 'epochs'"):
+        load_finetune_config(None, ["tune.epoch=3"])
+    with pytest.raises(ConfigError, match="no model"):
+        finetune(load_finetune_config(None, [f"data.train={cls_data['train']}", "task.name=classification"]),
+                 show_progress=False, log=lambda *a: None)
+
+
+def test_task_head_mismatch_is_refused(tokenizers_by_kind, cls_data, tmp_path):
+    res = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.epochs=1"), show_progress=False,
+                   log=lambda *a: None)
+    with pytest.raises(ConfigError, match="needs head='tagging'"):
+        evaluate(res.model_dir, cls_data["test"], task_overrides={"name": "tagging"}, show_progress=False)
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def test_cli_finetune_evaluate_predict(tokenizers_by_kind, cls_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["finetune", "--preset", "tiny-bert-base", "--tokenizer", str(tokenizers_by_kind["wordpiece"]),
+               "--task", "classification", "--train", str(cls_data["train"]), "--dev", str(cls_data["dev"]),
+               "--test", str(cls_data["test"]), "--epochs", "1", "--out", str(out), "--quiet", "train.lr=2e-3",
+               "train.plot=false"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "test: accuracy" in text and str(out / "model") in text
+    assert main(["evaluate", str(out / "model"), str(cls_data["test"]), "--json", str(tmp_path / "m.json"),
+                 "--quiet"]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["accuracy"] >= 0
+    assert main(["predict", str(out / "model"), str(cls_data["test"]), "--out", str(tmp_path / "p.jsonl"),
+                 "--quiet"]) == 0
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 80
+    # a bad value is exit code 2 with the message, no traceback
+    assert main(["finetune", "--task", "nope", "--train", str(cls_data["train"])]) == 2
+    assert "task.name='nope'" in capsys.readouterr().err
+
+
+def test_cli_print_config(capsys):
+    assert main(["finetune", "--print-config", "--task", "pair", "tune.epochs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "name: pair" in out and "epochs: 2" in out and "text_a_field: text_a" in out
