@@ -34,6 +34,7 @@ demo: install
 bench: install
 	$(VENV)/bin/pretune bench model
 	$(VENV)/bin/pretune bench pretrain
+	$(VENV)/bin/pretune bench finetune
 
 lint: install
 	$(VENV)/bin/ruff check src tests

@@ -338,7 +338,8 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     else:
         train_recs, dev_recs = _split_dev(train_recs, cfg.data.dev_fraction, cfg.train.seed)
     test_recs = _read(cfg.data.test, "test", cfg.data.errors) if cfg.data.test else []
-    labels = task_cls.label_set(cfg.task, train_recs)
+    # dev labels join the map too: a rare class absent from train must not make every evaluation fail
+    labels = task_cls.label_set(cfg.task, train_recs + dev_recs)
     model, tok = build_model_for_task(cfg, task_cls, labels, log=log)
     task = task_cls(cfg.task, model.config, tok)
 

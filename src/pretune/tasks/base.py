@@ -175,7 +175,9 @@ class Task(Objective):
 class Layout:
     """How one or two texts become model input for a family.
 
-    BERT (encoders): ``[CLS] a [SEP] b [SEP]`` with segment ids 0/1 (Devlin et al. 2019).
+    BERT (encoders): ``[CLS] a [SEP] b [SEP]`` with segment ids 0/1 (Devlin et al. 2019); segment ids only
+    for models with at least two token types (RoBERTa's single type: none); RoBERTa/BART vocabularies
+    (``<s>``/``</s>``) separate a pair by two separators, ``<s> a </s></s> b </s>``, as Hugging Face does.
     GPT (decoders): ``[START] a [DELIM] b [EXTRACT]``; the head reads the last token (Radford et al. 2018 §3.3).
     T5 (encoder-decoders): ``a [EOS] b [EOS]`` (the encoder reads the text; the head pools it).
     Tokens a tokenizer lacks are left out (e.g. GPT-2 has no [START]); EXTRACT is required for decoders.
@@ -210,11 +212,15 @@ class Layout:
             self.end = self.delim
         if self.start == self.end and style == "gpt":
             self.start = None  # GPT-2's <|endoftext|> serves as [EXTRACT]; no separate [START]
-        self.token_types = bool(model_cfg.token_types) and style == "bert"
+        roles = getattr(tok, "roles", None) or {}
+        double = style == "bert" and roles.get("cls") == "<s>" and roles.get("sep") == "</s>"
+        # what goes between a and b: RoBERTa's </s></s>, else the one delimiter (none when the tokenizer lacks it)
+        self.pair_sep: list[int] = [] if self.delim is None else [self.delim] * (2 if double else 1)
+        # segment ids need a second token type: a one-type model (RoBERTa) reads type 0 everywhere
+        self.token_types = model_cfg.token_types >= 2 and style == "bert"
 
     def n_special(self, pair: bool) -> int:
-        ends = [self.start, self.delim if pair else None, self.end]
-        return sum(t is not None for t in ends)
+        return (self.start is not None) + (len(self.pair_sep) if pair else 0) + (self.end is not None)
 
     def build(self, a: list[int], b: list[int] | None, max_len: int) -> dict:
         """input_ids, attention_mask (and token_type_ids) for a (pair of) token list(s), truncated
@@ -224,17 +230,17 @@ class Layout:
             raise ConfigError(f"task.max_len={max_len} leaves no room for text after the special tokens")
         a = list(a)
         b = list(b) if b is not None else None
-        while len(a) + (len(b) if b is not None else 0) > budget:  # longest-first (BERT's run_classifier)
-            if b is not None and len(b) > len(a):
+        # longest-first, a tie cut from b (BERT's _truncate_seq_pair; Hugging Face's "longest_first")
+        while len(a) + (len(b) if b is not None else 0) > budget:
+            if b is not None and len(b) >= len(a):
                 b.pop()
             else:
                 a.pop()
         ids = ([self.start] if self.start is not None else []) + a
         types = [0] * len(ids)
         if b is not None:
-            if self.delim is not None:
-                ids.append(self.delim)
-                types.append(0)
+            ids += self.pair_sep
+            types += [0] * len(self.pair_sep)
             ids += b
             types += [1] * len(b)
         if self.end is not None:

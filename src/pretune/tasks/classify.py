@@ -13,6 +13,29 @@ def _label_str(value) -> str:
     return value if isinstance(value, str) else (str(int(value)) if float(value).is_integer() else str(value))
 
 
+def _label_order(label: str) -> tuple:
+    """Sort key of a label map: numeric labels in numeric order ("2" before "10", "-1" before "0.5"), then
+    the other labels as sorted strings."""
+    try:
+        value = float(label)
+    except ValueError:
+        value = None
+    if value is not None and np.isfinite(value):
+        return (0, value, label)
+    return (1, 0.0, label)
+
+
+def _number(rec: Record, field: str) -> float:
+    value = get_field(rec, field, (int, float, str))
+    try:
+        v = float(value)
+    except ValueError:
+        raise DataError(f"{rec.where}: regression label {value!r} is not a number") from None
+    if not np.isfinite(v):
+        raise DataError(f"{rec.where}: regression label {value!r} is not finite")
+    return v
+
+
 class Classification(Task):
     """One text → one of N labels; the head reads the pooled sequence (see ModelConfig.pooling)."""
 
@@ -40,7 +63,7 @@ class Classification(Task):
         if len(found) < 2:
             raise DataError(f"the training data has {len(found)} distinct label(s) in field {cfg.label_field!r} "
                             f"({sorted(found)}): classification needs at least 2")
-        return sorted(found, key=lambda x: (not x.lstrip("-").isdigit(), int(x) if x.lstrip("-").isdigit() else 0, x))
+        return sorted(found, key=_label_order)
 
     def label_id(self, rec: Record) -> int:
         label = _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
@@ -100,14 +123,7 @@ class Regression(Classification):
         return []
 
     def target(self, rec: Record):
-        value = get_field(rec, self.cfg.label_field, (int, float, str))
-        try:
-            v = float(value)
-        except ValueError:
-            raise DataError(f"{rec.where}: regression label {value!r} is not a number") from None
-        if not np.isfinite(v):
-            raise DataError(f"{rec.where}: regression label {value!r} is not finite")
-        return np.float32(v)
+        return np.float32(_number(rec, self.cfg.label_field))
 
     def loss(self, model, batch, totals):
         pred = self.forward_logits(model, batch).float().squeeze(-1)  # (B,)
@@ -118,7 +134,7 @@ class Regression(Classification):
         return [float(o[0]) for o in outputs]
 
     def reference(self, rec: Record):
-        return float(get_field(rec, self.cfg.label_field, (int, float, str)))
+        return _number(rec, self.cfg.label_field)
 
     def counts(self, batch):
         return {self.term: int(batch["labels"].shape[0])}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
+from ..config import ConfigError
 from ..data.readers import DataError
 from . import qa_spans
 from .base import Record, Task, get_field
@@ -22,6 +23,21 @@ class QA(Task):
     name = "qa"
     model_head = "qa"
 
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        roles = getattr(tokenizer, "roles", None) or {}
+        # RoBERTa/BART vocabularies: <s> question </s></s> context </s> (Hugging Face's layout); else BERT's
+        self.layout = ("roberta" if model_cfg.arch == "encoder" and roles.get("cls") == "<s>"
+                       and roles.get("sep") == "</s>" else "bert")
+        # segment ids (question 0, context 1) need a second token type: RoBERTa's one type reads 0 everywhere
+        self.use_types = model_cfg.token_types >= 2 and model_cfg.arch == "encoder" and self.layout == "bert"
+        try:  # the window arithmetic and the special tokens, checked before any data is read
+            qa_spans._special_ids(tokenizer)
+            qa_spans._budget(self.max_len, cfg.stride, 4 if self.layout == "roberta" else 3, None)
+        except ValueError as e:
+            raise ConfigError(f"task qa: {e} (task.max_len={cfg.max_len}, task.stride={cfg.stride}; the model "
+                              f"reads at most {model_cfg.max_seq_len} tokens)") from None
+
     def answers(self, rec: Record) -> list[tuple[str, int | None]]:
         """Gold answers as (text, answer_start or None)."""
         raw = get_field(rec, self.cfg.answers_field, (dict, list, str), what="the gold answers")
@@ -29,9 +45,9 @@ class QA(Task):
             return [(raw, None)] if raw else []
         if isinstance(raw, dict):
             texts = raw.get("text", [])
-            starts = raw.get("answer_start", [None] * len(texts))
             texts = [texts] if isinstance(texts, str) else list(texts)
-            starts = [starts] if isinstance(starts, int) else list(starts)
+            starts = raw.get("answer_start")
+            starts = [None] * len(texts) if starts is None else [starts] if isinstance(starts, int) else list(starts)
             if len(starts) != len(texts):
                 raise DataError(f"{rec.where}: answers has {len(texts)} text(s) but {len(starts)} answer_start(s)")
             return [(str(t), s) for t, s in zip(texts, starts)]
@@ -54,12 +70,11 @@ class QA(Task):
         question = get_field(rec, self.cfg.question_field)
         spans = self.spans(rec, context) if labelled else []
         feats = qa_spans.qa_features(self.tok, question, context, spans, max_len=self.max_len,
-                                     stride=self.cfg.stride, where=rec.where)
+                                     stride=self.cfg.stride, where=rec.where, layout=self.layout)
         out = []
-        use_types = bool(self.model_cfg.token_types) and self.model_cfg.arch == "encoder"
         for f in feats:
             g = {"input_ids": f["input_ids"], "attention_mask": f["attention_mask"]}
-            if use_types:
+            if self.use_types:
                 g["token_type_ids"] = f["token_type_ids"]
             if labelled:
                 g["start_positions"] = np.int64(f["start_positions"])

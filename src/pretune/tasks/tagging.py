@@ -4,6 +4,9 @@ Words are tokenized as pre-split input (``is_pretokenized``), so every subword k
 first subword of a word carries the word's tag; the others, and special tokens, are ignored by the
 loss (-100) and by prediction (Devlin et al. 2019 §5.3). Words cut off by ``max_len`` are predicted
 as ``O`` (or the first label when there is no ``O``), so predictions always align with the input.
+Byte-level BPE (GPT-2, RoBERTa) marks a word start by its leading space (``Ġ``): every word after the
+first is encoded with one, as in running text (Hugging Face's ``add_prefix_space`` for pre-split input);
+without it "said" would be spelled in the pieces of a word's middle (``s a id``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class Tagging(Task):
         super().__init__(cfg, model_cfg, tokenizer)
         self.layout = Layout(tokenizer, model_cfg, "auto")
         self.fallback = "O" if "O" in self.label_ids else (self.labels[0] if self.labels else "O")
+        marker = tokenizer._word_marker() if hasattr(tokenizer, "_word_marker") else None
+        self.space_words = marker == ("start", "Ġ")  # byte-level BPE: a word start is its leading space
 
     def words(self, rec: Record) -> list[str]:
         words = get_field(rec, self.cfg.tokens_field, (list, str), what="the words of the sentence")
@@ -57,7 +62,8 @@ class Tagging(Task):
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         words = self.words(rec)
-        enc = self.tok.tk.encode(words, is_pretokenized=True, add_special_tokens=False)
+        pieces = [words[0], *(" " + w for w in words[1:])] if self.space_words else words
+        enc = self.tok.tk.encode(pieces, is_pretokenized=True, add_special_tokens=False)
         budget = self.max_len - self.layout.n_special(False)
         ids, word_of = enc.ids[:budget], enc.word_ids[:budget]
         feat = self.layout.build(ids, None, self.max_len)

@@ -340,10 +340,11 @@ class Trainer:
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     eval_out = self.evaluate()
                     logger.log(self.step, "eval", **eval_out)
-                    bar.write(_fmt_eval(self.step, eval_out)) if d.is_main and eval_out else None
+                    if d.is_main and eval_out and self.show_progress:
+                        bar.write(_fmt_eval(self.step, eval_out))
                     if self.on_eval is not None and self.on_eval(self.step, eval_out):
                         self.stopped_early = True
-                        bar.write(f"early stop at step {self.step}") if d.is_main else None
+                        log(f"early stop at step {self.step}: no dev improvement") if d.is_main else None
                         break
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps and cfg.keep_last:
                     ckpt = self.save_checkpoint()
@@ -352,7 +353,7 @@ class Trainer:
                     eval_out = self.evaluate()
                     if eval_out:
                         logger.log(self.step, "eval", **eval_out)
-                        if d.is_main:
+                        if d.is_main and self.show_progress:
                             bar.write(_fmt_eval(self.step, eval_out))
                     if self.on_eval is not None:
                         self.on_eval(self.step, eval_out)
