@@ -173,8 +173,8 @@ def test_empty_dataset_is_an_error(tokenizers_by_kind, cls_data, tmp_path):
 def test_single_label_training_set_is_an_error(tokenizers_by_kind, cls_data, tmp_path):
     train = _write(tmp_path / "train.jsonl", [{"text": "one.", "label": "a"}, {"text": "two.", "label": "a"}])
     with pytest.raises(DataError, match="1 distinct label"):
-        finetune(_cfg(tokenizers_by_kind, dict(cls_data, train=train), tmp_path / "run"), show_progress=False,
-                 log=lambda *a: None)
+        finetune(_cfg(tokenizers_by_kind, dict(cls_data, train=train, dev=train), tmp_path / "run"),
+                 show_progress=False, log=lambda *a: None)
 
 
 def test_qa_answer_not_in_context_names_the_row(tokenizers_by_kind, cls_data, tmp_path):
