@@ -6,13 +6,12 @@ import json
 import pytest
 import torch
 
+from conftest import corpus_paragraphs
 from pretune import load
 from pretune.cli import main
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
 from pretune.finetune import evaluate, finetune, load_finetune_config, predict
-
-from conftest import corpus_paragraphs
 
 
 def _write(path, rows):
