@@ -91,7 +91,8 @@ def test_freeze_body_trains_only_the_head(tokenizers_by_kind, cls_data, tmp_path
     cfg = load_finetune_config(None, [f"model.init={first.model_dir}", "task.name=classification",
                                       f"data.train={cls_data['train']}", f"data.dev={cls_data['dev']}",
                                       f"train.out={tmp_path / 'b'}", "tune.freeze_body=true", "tune.epochs=1",
-                                      "train.lr=1e-2", "train.batch_size=16", "tune.keep_best=false", "train.plot=false"])
+                                      "train.lr=1e-2", "train.batch_size=16", "tune.keep_best=false",
+                                      "train.plot=false"])
     res = finetune(cfg, show_progress=False, log=lambda *a: None)
     before, after = load(first.model_dir).state_dict(), load(res.model_dir).state_dict()
     for k in before:
