@@ -214,3 +214,17 @@ def format_rows(rows: list[dict]) -> str:
 if __name__ == "__main__":  # worker entry point: python -m pretune.bench '{"impl": ...}'
     result = run_worker(Job(**json.loads(sys.argv[1])))
     print(json.dumps(result))
+
+
+def bench_main(argv, *, prog: str, doc: str, job_cls, run_worker, add_arguments, run_cli) -> int:
+    """Entry of a benchmark module: with one JSON argument it is the worker (run that job, print its
+    result as JSON, read back by :func:`spawn_worker`); otherwise the command line ``prog``."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].startswith("{"):
+        print(json.dumps(run_worker(job_cls(**json.loads(argv[0])))))
+        return 0
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))

@@ -340,15 +340,10 @@ def format_rows(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry: ``python -m pretune.bench_finetune [--rounds 3 ...]``; with one JSON argument,
     the worker: run that :class:`Job` and print its result as JSON."""
-    import argparse
+    from .bench import bench_main
 
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].startswith("{"):
-        print(json.dumps(run_worker(Job(**json.loads(argv[0])))))
-        return 0
-    p = argparse.ArgumentParser(prog="pretune bench finetune", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run_cli(p.parse_args(argv))
+    return bench_main(argv, prog="pretune bench finetune", doc=__doc__, job_cls=Job, run_worker=run_worker,
+                      add_arguments=add_arguments, run_cli=run_cli)
 
 
 def add_arguments(p) -> None:

@@ -328,14 +328,9 @@ def _plain_lines(path: Path):
 
 
 def _field(path: Path, num: int, record: dict, field: str) -> str:
-    where = f"{path}:{num}" if not path.name.lower().endswith(".parquet") else f"{path}: row {num}"
-    if field not in record:
-        raise DataError(f"{where}: record has no field {field!r}; it has fields {sorted(record)} "
-                        f"(pick one with --field)")
-    value = record[field]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {field!r} is {type(value).__name__}; expected a string")
-    return value
+    from .data.readers import record_text, record_where
+
+    return record_text(record, field, record_where(path, num), hint="--field")
 
 
 def _check_input(path: Path) -> None:

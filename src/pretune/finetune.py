@@ -308,12 +308,10 @@ def build_model_for_task(cfg: FinetuneConfig, task_cls, labels: list[str], *, lo
 
 def _rebuilt(model, extra: dict):
     """The model with config overrides that do not change weight shapes (e.g. dropout)."""
-    from .checkpoint import unique_state
+    from .checkpoint import load_state, unique_state
     from .model import TransformerLM
 
     new = TransformerLM(model.config.replace(**extra))
-    from .checkpoint import load_state
-
     load_state(new, unique_state(model), source="model.init with overrides")
     return new
 

@@ -313,16 +313,26 @@ def _records(path: Path, ext: str, compressed: bool, errors: Errors,
     return _parquet_records(path, [field] if field is not None else None)
 
 
+def record_where(path: Path, num: int) -> str:
+    """How an error names a record: ``file:line`` (JSONL, CSV/TSV) or ``file: row N`` (Parquet)."""
+    return f"{path}: row {num}" if str(path).lower().endswith(PARQUET_EXTS) else f"{path}:{num}"
+
+
+def record_text(record: dict, field: str, where: str, *, hint: str = "field=...") -> str:
+    """``record[field]`` as a string; a missing field or a non-string value is a DataError naming ``where``
+    and the fields the record has (``hint``: how the user picks another field)."""
+    if field not in record:
+        raise DataError(f"{where}: record has no field {field!r}; it has fields {sorted(record)} "
+                        f"(pick one with {hint})")
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} is {type(text).__name__} ({_short(text)}); expected a string")
+    return text
+
+
 def _record_documents(path: Path, ext: str, compressed: bool, field: str, errors: Errors) -> Iterator[str]:
-    what = "row" if ext in PARQUET_EXTS else "line"
     for num, record in _records(path, ext, compressed, errors, field):
-        where = f"{path}: {what} {num}" if ext in PARQUET_EXTS else f"{path}:{num}"
-        if field not in record:
-            raise DataError(f"{where}: record has no field {field!r}; it has fields {sorted(record)} "
-                            f"(pick one with field=...)")
-        text = record[field]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: field {field!r} is {type(text).__name__} ({_short(text)}); expected a string")
+        text = record_text(record, field, record_where(path, num))
         if text.strip():
             yield text
 

@@ -85,7 +85,11 @@ def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, wh
 
 
 def _field_key(name: str) -> str:
-    return {"text": "text_field", "label": "label_field"}.get(name, "<name>_field")
+    """The TaskConfig key whose default is ``name`` (text -> text_field), else the generic form."""
+    from dataclasses import fields
+
+    keys = [f.name for f in fields(TaskConfig) if f.name.endswith("_field") and f.default == name]
+    return keys[0] if keys else "<x>_field"
 
 
 class Task(Objective):
@@ -127,9 +131,6 @@ class Task(Objective):
         if cls.model_head in ("classification", "regression") and cfg.pooling:
             out["pooling"] = cfg.pooling
         return out
-
-    def check(self, rec: Record, *, labelled: bool = True) -> None:
-        """Validate one record (fields present, label known); raise DataError naming its row."""
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         """Features (numpy arrays; keys starting with '_' are metadata, not collated) for one record."""
