@@ -1,5 +1,5 @@
 # make test  : create .venv if needed, install (torch first, CPU wheel), run the default test suite
-# make demo  : same install, then the main job on bundled data
+# make demo  : same install, then `pretune quickstart`: tokenizer -> pretraining -> finetuning on bundled data
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -25,11 +25,10 @@ test: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
+# OMP_WAIT_POLICY=PASSIVE: idle torch threads sleep instead of spinning; on a busy 2-core machine spinning
+# threads steal the cores the working ones need (measured: a training step 5-8x slower with 2 threads)
 demo: install
-	$(VENV)/bin/pretune --help
-	$(VENV)/bin/pretune show bert-base
-	$(VENV)/bin/pretune show llama
-	$(VENV)/bin/pretune demo
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pretune quickstart --out runs/quickstart
 
 bench: install
 	$(VENV)/bin/pretune bench model

@@ -111,25 +111,6 @@ def test_yaml_then_overrides_precedence(tmp_path):
     assert cfg.model_config(vocab_size=300).vocab_size == 300
 
 
-CONFIGS = sorted((__import__("pathlib").Path(__file__).parent.parent / "configs" / "pretrain").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
-def test_example_configs_parse_and_train(config, tmp_path, small_corpus, tokenizers_by_kind):
-    """Every shipped pretraining config runs (shrunk to a tiny model, a few steps, its own precision)."""
-    cfg = load_run_config(config)
-    kind = "bpe" if cfg.objective.name in ("clm", "prefix_lm") and cfg.model.get("preset") == "gpt2" else "wordpiece"
-    shrink = ["model.n_layers=1", "model.dim=32", "model.n_heads=2", "model.ffn_dim=64", "train.steps=3",
-              "train.batch_size=4", "train.warmup_steps=1", "train.eval_every=0", "train.save_every=0",
-              "train.tensorboard=false", "train.plot=false", "data.block_size=40",
-              f"tokenizer={tokenizers_by_kind[kind]}", f"data.train=[{small_corpus}]", f"train.out={tmp_path / 'run'}"]
-    if cfg.model.get("embed_dim"):
-        shrink.append("model.embed_dim=16")
-    cfg = load_run_config(config, shrink)
-    result = pretrain(cfg, show_progress=False, log=lambda *_: None)
-    assert result.steps == 3 and result.train_loss == result.train_loss
-
-
 def test_continue_pretraining_a_checkpoint_without_its_head(tmp_path, small_corpus, tokenizers_by_kind):
     """model.init: a checkpoint saved without an MLM head (like the real MiniLM) gets a fresh one; the body
     starts from the checkpoint's weights."""

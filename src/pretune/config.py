@@ -83,6 +83,7 @@ class ModelConfig:
     pooler: bool = False  # BERT pooler (dense + tanh on [CLS]), kept when importing checkpoints that have one
     pad_token_id: int = 0  # padding token (used by importers and by decoder start for encoder-decoders)
     decoder_start_token_id: int = 0  # first decoder input of an encoder-decoder (T5: the pad token)
+    eos_token_id: int | None = None  # end of sequence: generation ends a row there (None: the tokenizer's)
 
     # --- finetuning heads (head in TASK_HEADS) ------------------------------------------------
     num_labels: int = 0  # outputs of a classification/tagging head (regression: 1; qa: 2, start and end)

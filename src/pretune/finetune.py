@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError
+from .peft.config import PeftConfig
 from .runconfig import TrainConfig, merge_layers, section
 from .tasks.base import Record, TaskConfig
 
@@ -69,9 +70,11 @@ class FinetuneConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     data: FinetuneData = field(default_factory=FinetuneData)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # peft.method empty: full finetuning
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**FINETUNE_TRAIN_DEFAULTS))
 
-    SECTIONS = {"task": TaskConfig, "data": FinetuneData, "tune": TuneConfig, "train": TrainConfig}
+    SECTIONS = {"task": TaskConfig, "data": FinetuneData, "tune": TuneConfig, "peft": PeftConfig,
+                "train": TrainConfig}
 
     def to_dict(self) -> dict:
         return {"model": dict(self.model), "tokenizer": self.tokenizer,
@@ -110,6 +113,13 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
         raise ConfigError(f"train.lr={tr.lr} must be > 0")
     if not 0 < cfg.data.dev_fraction < 1:
         raise ConfigError(f"data.dev_fraction={cfg.data.dev_fraction} must be in (0, 1)")
+    if cfg.peft.method:
+        cfg.peft.validated()
+        if tune.freeze_body or tune.from_scratch:
+            raise ConfigError("peft.method trains adapters on a frozen pretrained body: it does not combine with "
+                              "tune.freeze_body or tune.from_scratch")
+        if not cfg.model.get("init"):
+            raise ConfigError("peft.method needs a pretrained base: set model.init=CHECKPOINT")
     return cfg
 
 
@@ -338,7 +348,14 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     test_recs = _read(cfg.data.test, "test", cfg.data.errors) if cfg.data.test else []
     # dev labels join the map too: a rare class absent from train must not make every evaluation fail
     labels = task_cls.label_set(cfg.task, train_recs + dev_recs)
+    if task_cls.labels_in_task and not cfg.task.labels:
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, labels=list(labels)))
     model, tok = build_model_for_task(cfg, task_cls, labels, log=log)
+    if "prompt" in cfg.peft.methods and model.config.position in ("learned", "sinusoidal"):
+        room = model.config.max_seq_len - cfg.peft.n_virtual  # the soft prompt takes positions too
+        if cfg.task.max_len > room:
+            log(f"task.max_len {cfg.task.max_len} -> {room}: {cfg.peft.n_virtual} positions go to the soft prompt")
+            cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, max_len=room))
     task = task_cls(cfg.task, model.config, tok)
 
     train_feats = encode_records(task, train_recs, show_progress=show_progress, desc="encode train")
@@ -358,6 +375,11 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     if cfg.tune.freeze_body:
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("head."))
+    if cfg.peft.method:
+        from . import peft
+
+        summary = peft.inject(model, cfg.peft, name="default", tokenizer=tok, seed=tr.seed)
+        log(f"peft {cfg.peft.method}: {peft.format_summary(summary)}")
     run_dir = Path(tr.out)
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise ConfigError(f"{run_dir} already holds a run: choose another train.out (or delete it)")
@@ -372,6 +394,7 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"pretune finetune: {task.name} on {model.config.arch} model ({counts['total'] / 1e6:.2f}M parameters, "
         f"{trainable / 1e6:.2f}M trainable{', body frozen' if cfg.tune.freeze_body else ''}"
+        f"{f', peft {cfg.peft.method}' if cfg.peft.method else ''}"
         f"{', from scratch' if cfg.tune.from_scratch else ''}), {len(train_recs)} train / {len(dev_recs)} dev"
         f"{f' / {len(test_recs)} test' if test_recs else ''} records"
         f"{f', {len(task.labels)} labels' if task.labels else ''}; {steps} steps of {tr.batch_size} "
@@ -379,6 +402,9 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
 
     history: list = []
     best = {"value": None, "step": None, "state": None, "since": 0}
+    trained = set(unique_state(model))
+    if cfg.peft.method:
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
 
     def evaluator() -> dict:
         m, _ = evaluate_task(task, model, dev_recs, batch_size=tr.batch_size * 2, precision=tr.precision,
@@ -392,9 +418,9 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
                               f"choose one of {sorted(k[4:] for k in metrics if k.startswith('dev_'))}")
         history.append((step, {k[4:]: v for k, v in metrics.items() if k.startswith("dev_")}))
         better = best["value"] is None or (value > best["value"] if higher else value < best["value"])
-        if better:
+        if better:  # a copy of what trains (everything, or the adapter and head)
             best.update(value=value, step=step, since=0,
-                        state={k: v.detach().clone() for k, v in unique_state(model).items()})
+                        state={k: v.detach().clone() for k, v in unique_state(model).items() if k in trained})
         else:
             best["since"] += 1
         return bool(cfg.tune.patience) and best["since"] >= cfg.tune.patience
@@ -409,14 +435,32 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     result = trainer.fit(log=log)
     seconds = time.perf_counter() - t0
     if cfg.tune.keep_best and best["state"] is not None and best["step"] != trainer.step:
-        load_state(model, best["state"], source=f"best dev model (step {best['step']})")
+        if cfg.peft.method:
+            with torch.no_grad():
+                for k, v in unique_state(model).items():
+                    if k in best["state"]:
+                        v.copy_(best["state"][k])
+        else:
+            load_state(model, best["state"], source=f"best dev model (step {best['step']})")
         log(f"keeping the best dev model: step {best['step']} ({metric} {best['value']:.4f})")
     model_dir = run_dir / "model"
     if cfg.tune.freeze_body:
         for p in model.parameters():
             p.requires_grad_(True)
-    save(model, model_dir, tokenizer=tok.tk)
-    save_task(model_dir, cfg.task)
+    sizes = {}
+    if cfg.peft.method:
+        from . import peft
+
+        peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok.tk,
+                          extra_files={TASK_FILE: json.dumps(dataclasses.asdict(cfg.task), indent=2) + "\n"})
+        sizes = {"adapter_bytes": peft.files.adapter_size(model_dir),
+                 "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.files.base_state(model).values())}
+        a, f = sizes["adapter_bytes"], sizes["full_model_bytes"]
+        log(f"adapter -> {model_dir}: {a / 1e6:.2f} MB, against {f / 1e6:.1f} MB for the full model "
+            f"({100 * a / f:.2f}%)")
+    else:
+        save(model, model_dir, tokenizer=tok.tk)
+        save_task(model_dir, cfg.task)
     cfg.save(model_dir / "run.yaml")
     dev_final = history[-1][1] if history and not cfg.tune.keep_best else (
         dict(next(h for s, h in history if s == best["step"])) if best["step"] is not None else {})
@@ -428,6 +472,10 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     results = {"task": task.name, "metric": metric, "best_step": best["step"], "steps": result.step,
                "stopped_early": trainer.stopped_early, "train_seconds": seconds, "dev": dev_final,
                "test": test_metrics, "history": [{"step": s, **h} for s, h in history]}
+    if cfg.peft.method:
+        from .peft import trainable_summary
+
+        results["peft"] = {"method": cfg.peft.method, **trainable_summary(model), **sizes}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     if tr.plot and (run_dir / "metrics.jsonl").is_file():
         from .train.logging import plot_losses
@@ -446,13 +494,19 @@ def format_scores(split: str, metrics: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # evaluate / predict a finetuned model
 # ----------------------------------------------------------------------------------------------
-def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, tokenizer: str = ""):
-    """(model, tokenizer, task) of a finetuned checkpoint (its task.json), or of an HF task model
-    with ``task_overrides={"name": ...}``."""
+def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, tokenizer: str = "",
+                   base: str = ""):
+    """(model, tokenizer, task) of a finetuned checkpoint (its task.json), of an adapter folder written by
+    ``finetune`` with peft.method (its base model + the adapter; ``base`` overrides the recorded base), or
+    of an HF task model with ``task_overrides={"name": ...}``."""
     from .config import TASK_HEADS
+    from .peft import is_adapter_folder, load_peft_model
     from .tasks import TASKS
 
-    model, tok = load_model_and_tokenizer(model_dir, tokenizer)
+    if is_adapter_folder(model_dir):
+        model, tok = load_peft_model(model_dir, base=base or None, tokenizer=tokenizer)
+    else:
+        model, tok = load_model_and_tokenizer(model_dir, tokenizer)
     tcfg = load_task_config(model_dir, task_overrides)
     if not (Path(model_dir) / TASK_FILE).is_file() and not (task_overrides or {}).get("name"):
         guess = {"classification": "classification", "regression": "regression", "tagging": "tagging",
@@ -468,9 +522,9 @@ def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, to
 
 
 def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | None = None, batch_size: int = 64,
-             precision: str = "fp32", show_progress: bool = True, errors: str = "strict") -> dict:
-    """The task's metrics of a finetuned model on a labelled file."""
-    model, tok, task = load_finetuned(model_dir, task_overrides)
+             precision: str = "fp32", show_progress: bool = True, errors: str = "strict", base: str = "") -> dict:
+    """The task's metrics of a finetuned model (or adapter folder) on a labelled file."""
+    model, tok, task = load_finetuned(model_dir, task_overrides, base=base)
     records = _read(str(data), "evaluation", errors)
     metrics, _ = evaluate_task(task, model, records, batch_size=batch_size, precision=precision,
                                show_progress=show_progress)
@@ -478,9 +532,10 @@ def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | 
 
 
 def predict(model_dir: str | Path, data: str | Path, out: str | Path, *, task_overrides: dict | None = None,
-            batch_size: int = 64, precision: str = "fp32", show_progress: bool = True, errors: str = "strict") -> int:
+            batch_size: int = 64, precision: str = "fp32", show_progress: bool = True, errors: str = "strict",
+            base: str = "") -> int:
     """Predictions for every record of ``data`` (labels not needed) written to ``out`` as JSONL."""
-    model, tok, task = load_finetuned(model_dir, task_overrides)
+    model, tok, task = load_finetuned(model_dir, task_overrides, base=base)
     records = _read(str(data), "prediction", errors)
     feats = encode_records(task, records, labelled=False, show_progress=show_progress)
     outs = run_outputs(task, model, feats, batch_size=batch_size, precision=precision, show_progress=show_progress)

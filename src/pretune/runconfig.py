@@ -201,13 +201,30 @@ def _validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def _bundled_path(name: str) -> str:
+    """``${bundled:tasks/sms_spam/train.jsonl}`` in a config: the installed path of a bundled data file."""
+    from . import bundled
+
+    try:
+        return str(bundled.path(name))
+    except FileNotFoundError as e:
+        raise ConfigError(f"${{bundled:{name}}}: {e}") from None
+
+
 def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: dict | None,
                  sections: list[str]) -> dict:
     """defaults ← base ← YAML file ← dot-list overrides, merged by OmegaConf; unknown top-level keys
-    are errors naming the nearest valid section. ``model: NAME`` is short for ``model: {preset: NAME}``."""
+    are errors naming the nearest valid section. ``model: NAME`` is short for ``model: {preset: NAME}``;
+    ``${bundled:PATH}`` is the path of a file of the bundled data (``pretune data bundled`` lists them)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if not OmegaConf.has_resolver("bundled"):
+        import warnings
+
+        with warnings.catch_warnings():  # OmegaConf 2.4 renamed it register_resolver; 2.3 has only this name
+            warnings.simplefilter("ignore", UserWarning)
+            OmegaConf.register_new_resolver("bundled", _bundled_path)
     layers = [OmegaConf.create(defaults)]
     if base:
         layers.append(OmegaConf.create(base))

@@ -254,6 +254,9 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     tensors = read_hf_weights(path)  # any float dtype: load_state copies into the fp32 model
     try:
         config = fam.config_from_hf(hf_config, set(tensors))
+        eos = hf_config.get("eos_token_id")  # where generation ends; a list (Llama 3): its first id
+        if config.arch != "encoder" and config.eos_token_id is None and eos not in (None, []):
+            config = config.replace(eos_token_id=eos[0] if isinstance(eos, list) else eos)
         ours = fam.weights_from_hf(tensors, config)
     except InteropError as e:
         raise InteropError(f"{path}: {e}") from None
@@ -274,6 +277,8 @@ def to_hf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | 
     cfg: ModelConfig = model.config
     fam = _family_for_config(cfg)
     hf_config = fam.config_to_hf(cfg)
+    if cfg.eos_token_id is not None:
+        hf_config["eos_token_id"] = cfg.eos_token_id
     ours = unique_state(model)
     hf_tensors = fam.weights_to_hf(ours, cfg)
     path = Path(path)

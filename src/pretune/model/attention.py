@@ -6,8 +6,6 @@ softmax(Q K^T * scale + bias + mask) V with heads as a batch axis, computed by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,42 +14,92 @@ from ..config import ModelConfig
 from .layers import dropout
 
 
-@dataclass
 class LayerCache:
-    """Cached keys/values of one decoder layer: self-attention grows by one step per token;
-    cross-attention keys/values are computed from the encoder output once and reused."""
+    """Cached keys/values of one decoder layer. Self-attention keys/values live in buffers of shape
+    (B, Hkv, capacity, Dh) that each step writes into in place (no copy of the past per token); the
+    capacity is reserved up front (``KVCache(capacity=...)``) or doubles when it runs out.
+    Cross-attention keys/values are computed from the encoder output once and reused."""
 
-    self_k: torch.Tensor | None = None  # (B, Hkv, T_past, Dh)
-    self_v: torch.Tensor | None = None
-    cross_k: torch.Tensor | None = None  # (B, Hkv, T_enc, Dh)
-    cross_v: torch.Tensor | None = None
+    def __init__(self, capacity: int = 0):
+        self.reserve = capacity  # positions to allocate at the first append (0: just what it needs)
+        self.length = 0  # positions cached so far
+        self._k: torch.Tensor | None = None  # (B, Hkv, capacity, Dh); [:, :, :length] is in use
+        self._v: torch.Tensor | None = None
+        self.cross_k: torch.Tensor | None = None  # (B, Hkv, T_enc, Dh)
+        self.cross_v: torch.Tensor | None = None
+
+    @property
+    def self_k(self) -> torch.Tensor | None:
+        """Cached keys (B, Hkv, length, Dh), a view of the buffer (None before the first append)."""
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @property
+    def self_v(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new keys/values (B, Hkv, T, Dh); return every cached one, (B, Hkv, length + T, Dh)."""
+        end = self.length + k.shape[2]
+        if k.requires_grad and torch.is_grad_enabled():  # autograd: never overwrite a tensor it saved
+            self._k = k if self._k is None else torch.cat([self.self_k, k], dim=2)
+            self._v = v if self._v is None else torch.cat([self.self_v, v], dim=2)
+        else:
+            if self._k is None or end > self._k.shape[2]:
+                self._grow(k, v, end)
+            self._k[:, :, self.length: end] = k
+            self._v[:, :, self.length: end] = v
+        self.length = end
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+    def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
+        old = 0 if self._k is None else self._k.shape[2]
+        cap = max(need, self.reserve, 2 * old)
+        B, H, _, D = k.shape  # (B, Hkv, T, Dh)
+        new_k, new_v = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, v.shape[3])
+        if self._k is not None:
+            new_k[:, :, : self.length] = self.self_k
+            new_v[:, :, : self.length] = self.self_v
+        self._k, self._v = new_k, new_v
+
+    def reorder(self, index: torch.Tensor, *, cross: bool = True) -> None:
+        """Keep batch rows ``index`` (B_new,) in that order: every cached tensor becomes tensor[index]
+        (cross-attention ones only if ``cross``: beams of one prompt share them)."""
+        if self._k is not None:
+            if index.numel() == self._k.shape[0] and not self._k.requires_grad:  # beam search: rows in place
+                self._k[:, :, : self.length] = self.self_k.index_select(0, index)
+                self._v[:, :, : self.length] = self.self_v.index_select(0, index)
+            else:
+                self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+        if cross and self.cross_k is not None:
+            self.cross_k, self.cross_v = self.cross_k.index_select(0, index), self.cross_v.index_select(0, index)
 
 
-@dataclass
 class KVCache:
-    """Key/value cache for incremental decoding: one LayerCache per decoder layer application."""
+    """Key/value cache for incremental decoding: one LayerCache per decoder layer application.
 
-    layers: list[LayerCache] = field(default_factory=list)
+    ``capacity`` reserves that many positions per layer at the first step (generation passes prompt
+    length + max_new_tokens), so no step ever reallocates; without it the buffers double as needed.
+    """
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
+        self.layers: list[LayerCache] = []
 
     def layer(self, i: int) -> LayerCache:
         while len(self.layers) <= i:
-            self.layers.append(LayerCache())
+            self.layers.append(LayerCache(self.capacity))
         return self.layers[i]
 
     @property
     def length(self) -> int:
         """Number of positions already cached (0 for an empty cache)."""
-        if not self.layers or self.layers[0].self_k is None:
-            return 0
-        return self.layers[0].self_k.shape[2]
+        return self.layers[0].length if self.layers else 0
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search): every cached tensor becomes tensor[index]."""
+    def reorder(self, index: torch.Tensor, *, cross: bool = True) -> None:
+        """Select batch rows (beam search): every cached tensor becomes tensor[index]; ``cross=False``
+        leaves cross-attention keys/values alone (rows that only move among copies of one prompt)."""
         for lc in self.layers:
-            for name in ("self_k", "self_v", "cross_k", "cross_v"):
-                t = getattr(lc, name)
-                if t is not None:
-                    setattr(lc, name, t.index_select(0, index))
+            lc.reorder(index, cross=cross)
 
 
 def build_mask(
@@ -122,21 +170,45 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
         self.o_proj = nn.Linear(self.n_heads * self.dh, cfg.dim, bias=cfg.bias)
+        # prefix tuning (pretune.peft): callable (k, v, mask, is_causal, q_len) -> (k, v, mask, is_causal)
+        # with trainable key/value prefixes prepended; set by pretune.peft.inject, None otherwise
+        self.prefix = None
+        self._qkv_cache: tuple | None = None  # (key, fused weight, fused bias) while the weights are unchanged
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.unflatten(-1, (n, self.dh)).transpose(1, 2)  # (B, T, n*Dh) -> (B, n, T, Dh)
 
     def _project_qkv(self, x: torch.Tensor):
-        plain = type(self.q_proj) is nn.Linear and type(self.k_proj) is nn.Linear and type(self.v_proj) is nn.Linear
-        if not plain:  # a PEFT wrapper changes a projection: call each one
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        # a PEFT wrapper (pretune.peft.PeftLinear) keeps its frozen layer as .base_layer and adds its
+        # change to the base output with .adjust(x, y); one that rescales its input needs its own call
+        bases = [getattr(p, "base_layer", p) for p in projs]
+        if any(type(b) is not nn.Linear or getattr(p, "scales_input", False) for p, b in zip(projs, bases)):
             return (self._heads(self.q_proj(x), self.n_heads), self._heads(self.k_proj(x), self.n_kv_heads),
                     self._heads(self.v_proj(x), self.n_kv_heads))
         # one matmul for q, k and v (one read of x, one autocast cast of it) instead of three
-        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        b = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        q, k, v = F.linear(x, w, b).split([self.n_heads * self.dh, self.n_kv_heads * self.dh,
-                                           self.n_kv_heads * self.dh], dim=-1)
+        w, b = self._fused_qkv(bases)
+        qkv = F.linear(x, w, b).split([self.n_heads * self.dh, self.n_kv_heads * self.dh,
+                                       self.n_kv_heads * self.dh], dim=-1)
+        q, k, v = (y if p is base else p.adjust(x, y) for p, base, y in zip(projs, bases, qkv))
         return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+
+    def _fused_qkv(self, bases) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The q, k, v weights (and biases) stacked. Weights that train are concatenated on every call (the
+        graph must reach them); frozen ones (inference, generation, LoRA) are stacked once and reused until a
+        weight changes (in-place updates bump the tensor's version, a move gives a new storage; a write through
+        ``param.data`` bypasses the version counter and is not seen)."""
+        tensors = [b.weight for b in bases] + ([b.bias for b in bases] if bases[0].bias is not None else [])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            w = torch.cat(tensors[:3])
+            return w, (torch.cat(tensors[3:]) if len(tensors) > 3 else None)
+        key = (torch.is_inference_mode_enabled(), *((t.data_ptr(), t._version, t.dtype) for t in tensors))
+        if self._qkv_cache is None or self._qkv_cache[0] != key:
+            with torch.no_grad():
+                w = torch.cat(tensors[:3])
+                b = torch.cat(tensors[3:]) if len(tensors) > 3 else None
+            self._qkv_cache = (key, w, b)
+        return self._qkv_cache[1], self._qkv_cache[2]
 
     def forward(
         self,
@@ -166,10 +238,9 @@ class Attention(nn.Module):
             if rotate is not None:
                 q, k = rotate(q, k, positions)
             if cache is not None:
-                if cache.self_k is not None:
-                    k = torch.cat([cache.self_k, k], dim=2)  # (B, Hkv, T_past + T, Dh)
-                    v = torch.cat([cache.self_v, v], dim=2)
-                cache.self_k, cache.self_v = k, v
+                k, v = cache.append(k, v)  # (B, Hkv, T_past + T, Dh), written into the cache in place
+        if self.prefix is not None:
+            k, v, mask, is_causal = self.prefix(k, v, mask, is_causal, q.shape[2])
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         if self.training and self.dropout > 0:

@@ -35,19 +35,25 @@ class Block(nn.Module):
         self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.cross_norm = make_norm(cfg) if cross else None
         self.drop = Dropout(cfg.dropout)
+        # Houlsby adapters (pretune.peft): bottlenecks applied to the attention and FFN branch outputs
+        # before the residual sum; set by pretune.peft.inject, None otherwise
+        self.attn_adapter: nn.Module | None = None
+        self.ffn_adapter: nn.Module | None = None
 
-    def _residual(self, x, norm, fn):
+    def _residual(self, x, norm, fn, adapter=None):
         if self.pre_norm:
-            return x + self.drop(fn(norm(x)))
-        return norm(x + self.drop(fn(x)))
+            h = self.drop(fn(norm(x)))
+            return x + (h if adapter is None else adapter(h))
+        h = self.drop(fn(x))
+        return norm(x + (h if adapter is None else adapter(h)))
 
     def forward(self, x, *, mask, is_causal, rotate, positions, memory=None, memory_mask=None, cache=None):
         x = self._residual(x, self.attn_norm, lambda h: self.attn(
-            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache))
+            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache), self.attn_adapter)
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
                 h, memory=memory, mask=memory_mask, cache=cache))
-        return self._residual(x, self.ffn_norm, self.ffn)
+        return self._residual(x, self.ffn_norm, self.ffn, self.ffn_adapter)
 
 
 class Stack(nn.Module):
@@ -71,6 +77,9 @@ class Stack(nn.Module):
         else:
             self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_distinct))
         self.norm = make_norm(cfg) if cfg.final_norm else None
+        # prompt tuning (pretune.peft): prepends soft-prompt vectors to the input and removes their
+        # positions from the output; set by pretune.peft.inject, None otherwise
+        self.prompt = None
 
     def forward(
         self,
@@ -86,8 +95,12 @@ class Stack(nn.Module):
     ) -> torch.Tensor:
         """x: (B, T, E) token embeddings; attention_mask: (B, T_past + T) 1 = real token;
         memory: (B, S, dim) encoder output with memory_mask (B, S). Returns (B, T, dim)."""
-        B, T, _ = x.shape
         past = cache.length if cache is not None else 0
+        n_virtual = 0
+        if self.prompt is not None:
+            x, attention_mask, token_type_ids, position_ids, n_virtual = self.prompt(
+                x, attention_mask, token_type_ids, position_ids, past)
+        B, T, _ = x.shape
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device)  # (T,)
         if self.token_type is not None:
@@ -123,7 +136,7 @@ class Stack(nn.Module):
                       cache=cache.layer(i) if cache is not None else None)
         if self.norm is not None:
             x = self.norm(x)
-        return x
+        return x[:, n_virtual:] if n_virtual else x
 
 
 class Transformer(nn.Module):

@@ -6,17 +6,20 @@
     tagging         one label per word (POS, NER with BIO), on each word's first subword
     qa              extractive QA: start/end logits, sliding window over long contexts, SQuAD 2.0 no-answer
     seq2seq         text-to-text with a task prefix, for encoder-decoders and decoders; greedy generation
+    choice          classification by the LM's likelihood of each label's answer text (T-Few losses)
 """
 
 from __future__ import annotations
 
 from .base import Layout, Record, Task, TaskConfig, read_records
+from .choice import Choice
 from .classify import Classification, Pair, Regression
 from .qa import QA
 from .seq2seq import Seq2Seq
 from .tagging import Tagging
 
-TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq)}
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq,
+                                                          Choice)}
 
 
 def build_task(cfg: TaskConfig, model_cfg, tokenizer) -> Task:

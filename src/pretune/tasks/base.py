@@ -20,7 +20,7 @@ from ..config import ConfigError
 from ..data.readers import DataError
 from ..objectives.base import IGNORE, Objective
 
-TaskName = Literal["classification", "pair", "regression", "tagging", "qa", "seq2seq"]
+TaskName = Literal["classification", "pair", "regression", "tagging", "qa", "seq2seq", "choice"]
 
 
 @dataclass
@@ -49,6 +49,8 @@ class TaskConfig:
     prefix: str = ""  # seq2seq: task prefix put before the source ("sst2 sentence: ")
     max_target_len: int = 32  # seq2seq: target tokens (training truncation and generation length)
     metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
+    choices: list[str] = field(default_factory=list)  # choice: answer text per label, in label order; empty: labels
+    choice_loss: str = "tfew"  # choice: tfew (L_LM + L_UL + L_LN, Liu et al. 2022) or lm (L_LM only)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Task(Objective):
     model_head: ClassVar[str]  # ModelConfig.head the task trains
     has_labels: ClassVar[bool] = False  # a discrete label map lives in the model config
     term = "task"  # the loss term name in logs (task_loss, task_acc)
+    labels_in_task: ClassVar[bool] = False  # the label set lives in task.json (task.labels), not the model
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

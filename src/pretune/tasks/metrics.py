@@ -322,6 +322,7 @@ TASK_METRICS: dict[str, list[str]] = {
     "tagging": ["entity_f1", "tag_accuracy"],
     "qa": ["exact_match", "f1"],
     "seq2seq": ["exact_match_text", "rouge_l", "bleu"],
+    "choice": list(_CLS),
 }
 
 DEFAULT_METRIC: dict[str, str] = {
@@ -331,6 +332,7 @@ DEFAULT_METRIC: dict[str, str] = {
     "tagging": "entity_f1",
     "qa": "f1",
     "seq2seq": "rouge_l",
+    "choice": "accuracy",
 }
 
 # every key that ``compute`` can return (plus the LM ones), for picking the best checkpoint

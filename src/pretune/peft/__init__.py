@@ -1,0 +1,38 @@
+"""Parameter-efficient finetuning: LoRA, Houlsby adapters, prefix tuning, prompt tuning, (IA)3 and
+embeddings-only training, alone or combined, several adapters in one model and one batch.
+
+    from pretune import peft
+    summary = peft.inject(model, peft.PeftConfig(method="lora", r=8, alpha=16))  # base frozen in place
+    ...train...
+    peft.save_adapter(model, "adapter/", base="minilm/")     # peft's layout for LoRA: loads in `peft` too
+    model2 = pretune.load("minilm/"); peft.load_adapter(model2, "adapter/", name="spam")
+    with peft.route(model2, ["spam", None, "spam"]):         # a different adapter (or none) per example
+        out = model2(ids, attention_mask=mask)
+    merged = peft.merged_model(model2, "spam")                # a plain model with LoRA folded into W0
+"""
+
+from .config import METHOD_HELP, METHODS, PeftConfig
+from .files import hf_places, is_adapter_folder, load_adapter, load_peft_model, read_meta, save_adapter
+from .inject import (
+                     PeftError,
+                     adapter_names,
+                     adapter_parameters,
+                     format_summary,
+                     freeze_for,
+                     inject,
+                     merge,
+                     merged_model,
+                     route,
+                     set_active,
+                     strip_peft,
+                     trainable_summary,
+                     unmerge,
+)
+from .layers import PeftLinear, PeftState
+
+__all__ = [
+    "METHODS", "METHOD_HELP", "PeftConfig", "PeftError", "PeftLinear", "PeftState", "inject", "route", "set_active",
+    "merge", "unmerge", "merged_model", "strip_peft", "freeze_for", "trainable_summary", "format_summary",
+    "adapter_names", "adapter_parameters", "save_adapter", "load_adapter", "load_peft_model", "hf_places",
+    "is_adapter_folder", "read_meta",
+]

@@ -1,0 +1,70 @@
+"""``pretune peft merge | info``: fold an adapter into its base, or describe an adapter folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .config import METHOD_HELP
+
+
+def cmd_merge(args) -> int:
+    from ..checkpoint import save
+    from ..finetune import TASK_FILE
+    from .files import load_peft_model
+    from .inject import merged_model
+
+    model, tok = load_peft_model(args.adapter, base=args.base)
+    plain = merged_model(model)
+    save(plain, args.out, tokenizer=tok.tk)
+    task = Path(args.adapter) / TASK_FILE
+    if task.is_file():
+        (Path(args.out) / TASK_FILE).write_text(task.read_text())
+    print(f"merged {args.adapter} into its base -> {args.out} (a plain checkpoint: evaluate, predict, convert "
+          "--to-hf work on it)")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .files import META_FILE, PEFT_CONFIG_FILE, WEIGHTS_FILE, read_meta
+
+    path = Path(args.adapter)
+    meta = read_meta(path)
+    size = (path / WEIGHTS_FILE).stat().st_size if (path / WEIGHTS_FILE).is_file() else 0
+    if meta is None and (path / PEFT_CONFIG_FILE).is_file():
+        cfg = json.loads((path / PEFT_CONFIG_FILE).read_text())
+        print(f"{path}: a peft {cfg.get('peft_type')} adapter (r={cfg.get('r')}, alpha={cfg.get('lora_alpha')}, "
+              f"targets {cfg.get('target_modules')}), {size / 1e6:.2f} MB")
+        return 0
+    if meta is None:
+        from .inject import PeftError
+
+        raise PeftError(f"{path}: no {META_FILE} or {PEFT_CONFIG_FILE} (not an adapter folder)")
+    p = meta["peft"]
+    print(f"{path}: adapter {meta['name']!r}, method {p['method']}, layout {meta['layout']}, {size / 1e6:.2f} MB")
+    print(f"  base: {meta['base'].get('model') or '(not recorded)'} ({meta['base'].get('arch')}, dim "
+          f"{meta['base'].get('dim')}, {meta['base'].get('n_layers')} layers)")
+    if meta.get("head"):
+        h = meta["head"]
+        print(f"  head: {h['head']}" + (f", labels {h['labels']}" if h.get("labels") else ""))
+    print("  settings: " + json.dumps(p))
+    return 0
+
+
+def add_peft_parser(sub) -> None:
+    methods = "\n".join(f"  {m:<11} {h}" for m, h in METHOD_HELP.items())
+    s = sub.add_parser("peft", help="adapter folders: merge into the base model, describe",
+                       description="Parameter-efficient finetuning runs with `pretune finetune --peft METHOD`; "
+                       "these commands handle the adapter folders it writes.",
+                       epilog=f"methods (combine with '+', e.g. lora+prompt):\n{methods}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    psub = s.add_subparsers(dest="peft_command", required=True)
+    m = psub.add_parser("merge", help="write the base model with a LoRA/(IA)3 adapter folded in (a plain checkpoint)")
+    m.add_argument("adapter", help="adapter folder (pretune or peft layout)")
+    m.add_argument("--out", required=True, help="folder for the merged checkpoint")
+    m.add_argument("--base", help="base model folder (default: the one the adapter recorded)")
+    m.set_defaults(func=cmd_merge)
+    i = psub.add_parser("info", help="method, settings, head, base and size of an adapter folder")
+    i.add_argument("adapter", help="adapter folder")
+    i.set_defaults(func=cmd_info)

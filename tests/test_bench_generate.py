@@ -1,0 +1,85 @@
+"""bench_generate: the parent path on a tiny Llama (one process per side), the table, the flags."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretune import bench_generate as bg
+
+T = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                        eos_token_id=2)
+    d = tmp_path_factory.mktemp("llama")
+    T.LlamaForCausalLM(cfg).eval().save_pretrained(d)
+    return d
+
+
+def _in_process(job, module):
+    assert module == "pretune.bench_generate"
+    return bg.run_worker(job)
+
+
+@pytest.mark.parametrize("spawn", [_in_process, pytest.param(None, marks=pytest.mark.slow)])
+def test_bench_generate_tiny(tiny_llama, spawn):
+    """Two rounds, batch 1 and 2: both sides generate exactly new_tokens tokens per row (in this process, or
+    each run in its own process as the real benchmark does: slow, ~7 s per process start)."""
+    lines = []
+    kw = {"spawn": spawn} if spawn is not None else {}
+    rows = bg.bench_generate(model=tiny_llama, batches=(1, 2), rounds=2, prompt_len=5, new_tokens=6, repeats=1,
+                             threads=1, show_progress=False, echo=lines.append, **kw)
+    assert [r["batch"] for r in rows] == [1, 2] and len(lines) == 8
+    order = [line.split(":")[0] for line in lines]  # who goes first alternates between rounds
+    assert order[:2] == ["batch 1 pretune", "batch 1 transformers"] and order[4:6] == ["batch 1 transformers",
+                                                                                        "batch 1 pretune"]
+    for row in rows:
+        assert row["bench"] == "generate" and row["threads"] == 1 and row["new_tokens"] == 6
+        for impl in bg.IMPLS:
+            assert len(row[f"{impl}_runs"]) == 2 and row[f"{impl}_tokens_per_s"] > 0
+        assert row["ratio"] == pytest.approx(row["pretune_tokens_per_s"] / row["transformers_tokens_per_s"])
+        assert row["same_tokens"] is True  # the same greedy tokens on both sides
+    assert rows[0]["target_met"] == (rows[0]["ratio"] >= bg.TARGET_RATIO) and "target_met" not in rows[1]
+    text = bg.format_rows(rows)
+    assert "6 new tokens after a 5-token prompt" in text and "target" in text
+    json.dumps(rows)  # --json writes them as they are
+
+
+def test_worker_generates_every_token(tiny_llama):
+    res = bg.run_worker(bg.Job("pretune", str(tiny_llama), batch=2, prompt_len=4, new_tokens=5, repeats=2,
+                               threads=1))
+    assert len(res["all_seconds"]) == 2 and res["seconds"] == min(res["all_seconds"])
+    assert res["tokens_per_s"] == pytest.approx(2 * 5 / res["seconds"])
+    assert [len(r) for r in res["tokens"]] == [5, 5]
+
+
+def test_format_rows():
+    row = {"bench": "generate", "model": "/x/smollm2-135m-instruct", "dtype": "fp32", "batch": 1, "prompt_len": 32,
+           "new_tokens": 128, "rounds": 1, "repeats": 2, "threads": 2, "pretune_runs": [30.0],
+           "transformers_runs": [18.0], "pretune_tokens_per_s": 30.0, "transformers_tokens_per_s": 18.0,
+           "ratio": 30 / 18, "same_tokens": True, "target_met": True}
+    text = bg.format_rows([row])
+    assert "smollm2-135m-instruct" in text and "1.67" in text and ": met" in text
+    assert "NOT met" in bg.format_rows([{**row, "ratio": 1.2, "target_met": False}])
+
+
+def test_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="rounds"):
+        bg.bench_generate(model=tmp_path, rounds=0)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        bg.bench_generate(model=tmp_path)
+
+
+def test_cli_flags():
+    from pretune.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "generate", "--batches", "1", "--rounds", "1", "--new-tokens", "16",
+                                      "--json", "out.json"])
+    assert (args.batches, args.rounds, args.new_tokens, args.prompt_len, args.json) == ([1], 1, 16, 32, "out.json")
+    assert args.func is bg.run_cli and Path(bg.__file__).name == "bench_generate.py"
