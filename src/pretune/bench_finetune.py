@@ -51,7 +51,7 @@ from pathlib import Path
 from .bench import spawn_worker
 
 IMPLS = ("pretune", "transformers")
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "tasks" / "sms_spam"  # train/dev/test
+DEFAULT_DATA = Path(__file__).resolve().parent / "bundled" / "tasks" / "sms_spam"  # train/dev/test, shipped whole
 TARGET_RATIO = 1.3  # transformers seconds / pretune seconds
 TARGET_POINTS = 0.5  # |test accuracy difference| in percentage points
 
