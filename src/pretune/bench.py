@@ -216,6 +216,17 @@ if __name__ == "__main__":  # worker entry point: python -m pretune.bench '{"imp
     print(json.dumps(result))
 
 
+def report(rows: list[dict], table: str, json_path: str | None) -> int:
+    """Print a benchmark's table and, with ``json_path``, write its rows as JSON (every ``bench`` command)."""
+    print(table)
+    if json_path:
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0
+
+
 def bench_main(argv, *, prog: str, doc: str, job_cls, run_worker, add_arguments, run_cli) -> int:
     """Entry of a benchmark module: with one JSON argument it is the worker (run that job, print its
     result as JSON, read back by :func:`spawn_worker`); otherwise the command line ``prog``."""

@@ -368,11 +368,9 @@ def run_cli(args) -> int:
 
     rows = bench_finetune(data=args.data, dtypes=tuple(args.dtypes), rounds=args.rounds, limit=args.limit,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, threads=args.threads, echo=tqdm.write)
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    from .bench import report
+
+    return report(rows, format_rows(rows), args.json)
 
 
 if __name__ == "__main__":  # python -m pretune.bench_finetune '{"impl": ...}' (worker) or flags (stand-alone)

@@ -20,7 +20,6 @@ over rounds of each side and the ratio pretune / transformers (target: >= 1.5 at
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -224,11 +223,9 @@ def run_cli(args) -> int:
     rows = bench_generate(model=args.model, batches=tuple(args.batches), rounds=args.rounds,
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                           threads=args.threads, echo=tqdm.write)
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    from .bench import report
+
+    return report(rows, format_rows(rows), args.json)
 
 
 if __name__ == "__main__":  # python -m pretune.bench_generate '{"impl": ...}' (worker) or flags (stand-alone)

@@ -17,13 +17,11 @@ the process's peak resident set size (model, optimizer state, activations).
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .bench import spawn_worker
 
@@ -178,11 +176,9 @@ def run_cli(args) -> int:
 
     rows = bench_peft(dtypes=tuple(args.dtypes), rounds=args.rounds, echo=tqdm.write, batch=args.batch,
                       seq=args.seq, r=args.r, steps=args.steps, warmup=args.warmup, threads=args.threads)
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    from .bench import report
+
+    return report(rows, format_rows(rows), args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

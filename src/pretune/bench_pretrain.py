@@ -403,11 +403,9 @@ def run_cli(args) -> int:
     rows = bench_pretrain(corpus=args.corpus, cache_dir=args.cache_dir, dtypes=tuple(args.dtypes),
                           rounds=args.rounds, steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq,
                           threads=args.threads, fresh_store=not args.reuse_store)
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    from .bench import report
+
+    return report(rows, format_rows(rows), args.json)
 
 
 if __name__ == "__main__":  # python -m pretune.bench_pretrain '{"impl": ...}' (worker) or flags (stand-alone)

@@ -137,11 +137,9 @@ def cmd_bench(args) -> int:
     rows = bench_model(families=args.models, dtypes=args.dtypes, rounds=args.rounds, steps=args.steps,
                        warmup=args.warmup, batch=args.batch, seq=args.seq, threads=args.threads,
                        dropout=args.dropout)
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    from .bench import report
+
+    return report(rows, format_rows(rows), args.json)
 
 
 def cmd_bench_pretrain(args) -> int:
