@@ -40,10 +40,12 @@ def test_dropout_mask_is_seeded_and_not_constant_across_calls():
 
 
 def test_dropout_words_are_independent_of_position():
-    """The keep mask uses 3 of the 4 16-bit words of each 64-bit draw; no position is biased."""
-    y = dropout(torch.ones(3 * 200_000), 0.5, True).view(-1, 3)
-    rates = (y != 0).float().mean(0)
-    assert torch.all((rates - 0.5).abs() < 0.01), rates
+    """The keep mask uses the four 15-bit words of each 64-bit draw (the high one has a clear sign bit):
+    no word position is biased, at p = 0.5 and at a small p."""
+    for p in (0.5, 0.1):
+        y = dropout(torch.ones(4 * 200_000), p, True).view(-1, 4)
+        rates = (y == 0).float().mean(0)
+        assert torch.all((rates - p).abs() < 0.005), (p, rates)
 
 
 def test_dropout_gradient_uses_the_same_mask():
@@ -63,9 +65,28 @@ def test_attention_dropout_path_equals_sdpa_without_drops(kv_heads, causal):
     x = torch.randn(2, 7, 32)
     mask = torch.zeros(2, 1, 7, 7)
     mask[1, ..., 5:] = torch.finfo(torch.float32).min
-    train = attn.train()(x, is_causal=causal, mask=None if causal else mask)
-    ref = attn.eval()(x, is_causal=causal, mask=None if causal else mask)
-    torch.testing.assert_close(train, ref, atol=1e-6, rtol=1e-5)
+    for m in ([None, mask] if causal else [mask]):  # causal alone, causal + padding, padding alone
+        train = attn.train()(x, is_causal=causal, mask=m)
+        ref = attn.eval()(x, is_causal=causal, mask=m)
+        torch.testing.assert_close(train, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_dropout_drops_probabilities_at_the_rate_and_rescales():
+    """With p = 0.5 the training path's output is (keep * softmax) @ v / (1 - p) for the keep mask drawn
+    from torch's generator: re-drawing the same mask reproduces the output exactly."""
+    from pretune.model.layers import _keep_mask
+
+    cfg = ModelConfig(arch="decoder", dim=32, n_heads=4, ffn_dim=64, vocab_size=50, head="lm", attn_dropout=0.5)
+    attn = Attention(cfg).train()
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    torch.manual_seed(3)
+    out = attn._attend_with_dropout(q, k, v, None, True)
+    torch.manual_seed(3)
+    keep = _keep_mask(torch.Size((2, 4, 6, 6)), 0.5, q.device)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu_(1)
+    probs = ((q @ k.transpose(-1, -2)) * 8 ** -0.5).masked_fill(causal, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out, (probs * keep) @ v / 0.5)
+    assert 0.4 < keep.float().mean() < 0.6
 
 
 def test_attention_dropout_actually_drops():

@@ -26,6 +26,26 @@ def test_fused_linear_cross_entropy_matches_reference(chunk):
     torch.testing.assert_close(fw, gw)
 
 
+@pytest.mark.parametrize("frozen", ["weight", "hidden", "both"])
+def test_fused_linear_cross_entropy_with_a_frozen_input(frozen):
+    """A frozen output embedding (PEFT) gets no gradient and the hidden states' gradient is unchanged;
+    under no_grad (evaluation) only the loss is computed."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(30, 8, generator=g, requires_grad=frozen != "hidden" and frozen != "both")
+    w = torch.randn(20, 8, generator=g, requires_grad=frozen == "hidden")
+    t = torch.randint(0, 20, (30,), generator=g)
+    ref = F.cross_entropy(h @ w.t(), t)
+    out = fused_linear_cross_entropy(h, w, t, chunk=7)
+    torch.testing.assert_close(out, ref)
+    if frozen == "both":
+        assert not out.requires_grad
+        return
+    free = w if frozen == "hidden" else h
+    (got,) = torch.autograd.grad(out * 2, free)
+    (want,) = torch.autograd.grad(ref * 2, free)
+    torch.testing.assert_close(got, want)
+
+
 def test_fused_linear_cross_entropy_under_bf16_autocast_is_close():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(64, 32, generator=g)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import dropout
+from .layers import _keep_mask
 
 
 class LayerCache:
@@ -156,6 +156,23 @@ def build_mask(
     return mask, False
 
 
+_CAUSAL: dict[tuple, torch.Tensor] = {}
+
+
+def _causal_bias(T: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(T, S) additive causal mask for queries at the last T of S key positions: 0 where key j <= query i
+    (offset S - T), -inf after it. Cached per shape, dtype and device (a few small tensors)."""
+    key = (T, S, dtype, str(device), torch.is_inference_mode_enabled())
+    bias = _CAUSAL.get(key)
+    if bias is None:
+        hidden = torch.ones(T, S, dtype=torch.bool, device=device).triu_(S - T + 1)
+        bias = torch.zeros(T, S, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        if len(_CAUSAL) > 64:
+            _CAUSAL.clear()
+        _CAUSAL[key] = bias
+    return bias
+
+
 class Attention(nn.Module):
     """Multi-head attention; grouped-query when n_kv_heads < n_heads; cross-attention when
     keys/values come from another sequence (the encoder output)."""
@@ -254,19 +271,22 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _attend_with_dropout(self, q, k, v, mask, is_causal):
-        """softmax(QK^T * scale + mask) with dropout on the probabilities, then V. SDPA's fused
-        kernels have no dropout on CPU and its math path uses bernoulli_; this path is the same
-        maths with the cheaper dropout mask."""
+        """softmax(QK^T * scale + mask) with dropout on the probabilities, then V. SDPA's fused kernels
+        have no dropout on CPU and its math path uses bernoulli_; this path is the same maths with the
+        cheaper keep mask and as few passes over the (B, H, T, S) scores as autograd allows: the scale
+        goes on q, the masks are added in place, and dropout's 1/(1-p) on the
+        output, so the probabilities are only masked (one pass forward, one backward)."""
         if self.n_kv_heads != self.n_heads:  # GQA: each kv head serves n_heads / n_kv_heads query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        scale = self.scale if self.scale is not None else self.dh ** -0.5
-        scores = (q * scale) @ k.transpose(-1, -2)  # (B, H, T, S)
+        B, H, T, Dh = q.shape
+        S = k.shape[2]
+        q = q * (self.scale if self.scale is not None else Dh ** -0.5)
+        scores = q @ k.transpose(-1, -2)  # (B, H, T, S); the matmul keeps q and k, so in-place adds are safe
         if is_causal:
-            T, S = scores.shape[-2:]
-            hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu_(S - T + 1)
-            scores = scores.masked_fill(hidden, float("-inf"))
+            scores.add_(_causal_bias(T, S, q.dtype, q.device))  # (T, S): 0 or -inf (cheaper than baddbmm's copy)
         if mask is not None:
-            scores = scores + mask
-        probs = dropout(scores.softmax(dim=-1), self.dropout, True)
-        return probs @ v  # (B, H, T, Dh)
+            scores.add_(mask)  # (B|1, H|1, T, S) broadcasts onto the scores
+        probs = scores.softmax(dim=-1)
+        keep = _keep_mask(probs.shape, self.dropout, probs.device)
+        return (torch.where(keep, probs, 0.0) @ v) * (1.0 / (1.0 - self.dropout))  # (B, H, T, Dh)

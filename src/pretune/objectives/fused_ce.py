@@ -23,7 +23,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             hc, wc = h.to(dtype), weight.to(dtype)
             valid = targets != IGNORE_INDEX
             n = valid.sum().clamp(min=1)
-            grad_h = torch.empty_like(hc)
+            need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen head (PEFT) skips grad_w
+            grad_h = torch.empty_like(hc) if need_h else None
             grad_w = None  # (V, d) fp32, the first chunk's product (no zero-filled buffer)
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
             for s in range(0, hc.shape[0], chunk):
@@ -36,16 +37,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 total = z.sum(dim=-1, keepdim=True)  # (c, 1)
                 lse = (top + total.log()).squeeze(1)  # logsumexp(z)
                 loss += ((lse - picked) * vs).sum()
+                if not (need_h or need_w):  # evaluation: the loss only
+                    continue
                 w_row = vs.float() / n  # mean over valid targets; ignored rows get weight 0
                 z.mul_(w_row[:, None] / total)  # softmax(z) / n
                 z[torch.arange(z.shape[0], device=z.device), safe_t] -= w_row  # - onehot / n
                 g = z.to(dtype)
-                grad_h[s:s + chunk] = g @ wc
-                part = g.t() @ hs  # (V, d)
-                grad_w = part.float() if grad_w is None else grad_w.add_(part)  # accumulated in fp32
-            if grad_w is None:  # no rows at all
+                if need_h:
+                    grad_h[s:s + chunk] = g @ wc
+                if need_w:
+                    part = g.t() @ hs  # (V, d)
+                    grad_w = part.float() if grad_w is None else grad_w.add_(part)  # accumulated in fp32
+            if need_w and grad_w is None:  # no rows at all
                 grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w)  # None for an input that needs no gradient
         ctx.dtypes = (h.dtype, weight.dtype)
         return loss / n
 
@@ -53,7 +58,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * grad_out).to(h_dtype), (grad_w * grad_out).to(w_dtype), None, None
+        return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
+                None if grad_w is None else (grad_w * grad_out).to(w_dtype), None, None)
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
