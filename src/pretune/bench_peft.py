@@ -105,7 +105,8 @@ def run_worker(job: Job) -> dict:
         opt.zero_grad(set_to_none=True)
         if i >= job.warmup:
             times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "loss": float(loss.detach()), "trainable": sum(p.numel() for p in params),
+    return {"step_s": statistics.median(times), "loss": float(loss.detach()),
+            "trainable": sum(p.numel() for p in params),
             "total": sum(p.numel() for p in model.parameters()),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "threads": torch.get_num_threads()}
