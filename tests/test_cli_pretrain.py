@@ -152,6 +152,20 @@ def test_overrides_anywhere_on_the_command_line(small_corpus, tokenizers_by_kind
     assert cfg["train"]["steps"] == 7 and cfg["data"]["train"] == [data]
 
 
+def test_command_line_beats_the_yaml_file(small_corpus, tokenizers_by_kind, tmp_path, capsys):
+    """preset -> YAML -> command line (STYLE.md): a flag beats the file, a section.key=value beats both."""
+    conf = tmp_path / "run.yaml"
+    conf.write_text("model: {preset: tiny-gpt2, n_layers: 3}\nobjective: {name: clm}\n"
+                    "train: {out: runs/from-yaml, steps: 50, lr: 1e-4}\n")
+    out = tmp_path / "from-flag"
+    assert main(["pretrain", "--config", str(conf), "--tokenizer", str(tokenizers_by_kind["wordpiece"]),
+                 "--data", str(small_corpus), "--out", str(out), "--steps", "9", "--preset", "tiny-bert-base",
+                 "--objective", "mlm", "train.steps=11", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["train"]["out"] == str(out) and cfg["train"]["steps"] == 11 and cfg["train"]["lr"] == 1e-4
+    assert cfg["model"] == {"preset": "tiny-bert-base", "n_layers": 3} and cfg["objective"]["name"] == "mlm"
+
+
 # -- bad input: exit code 2 and a message naming the problem ---------------------------------------------
 
 

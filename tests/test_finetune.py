@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from conftest import corpus_paragraphs
 from pretune import load
@@ -224,6 +225,18 @@ def test_cli_finetune_evaluate_predict(tokenizers_by_kind, cls_data, tmp_path, c
     # a bad value is exit code 2 with the message, no traceback
     assert main(["finetune", "--task", "nope", "--train", str(cls_data["train"])]) == 2
     assert "task.name='nope'" in capsys.readouterr().err
+
+
+def test_cli_flags_beat_the_yaml_file(tmp_path, capsys):
+    conf = tmp_path / "ft.yaml"
+    conf.write_text("task: {name: classification}\ntrain: {lr: 5e-5, out: runs/yaml, batch_size: 16}\n"
+                    "tune: {epochs: 3}\n")
+    assert main(["finetune", "--config", str(conf), "--lr", "1e-3", "--out", str(tmp_path / "flag"),
+                 "--epochs", "2", "train.batch_size=8", "--batch-size", "4", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["train"]["lr"] == 1e-3 and cfg["train"]["out"] == str(tmp_path / "flag")
+    assert cfg["tune"]["epochs"] == 2 and cfg["train"]["batch_size"] == 8  # section.key=value beats the flag too
+    assert cfg["task"]["name"] == "classification"
 
 
 def test_cli_print_config(capsys):

@@ -496,8 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("pretrain", help="pretrain a model with any objective (clm, mlm, electra, span, denoise, ...)",
                        description="Pretrain from raw text: tokenizer -> token store -> packed blocks -> objective "
-                       "-> checkpoints. Settings come from a preset, then --config YAML, then section.key=value "
-                       "overrides (sections: model, tokenizer, data, objective, train; see --print-config). "
+                       "-> checkpoints. Settings come from a preset, then --config YAML, then the flags below, then "
+                       "section.key=value overrides (sections: model, tokenizer, data, objective, train; see "
+                       "--print-config). "
                        "Under `torchrun --nproc_per_node N` the same command trains with DDP.",
                        epilog="objectives: clm, prefix_lm (decoders); mlm, nsp, sop, electra (encoders); span, "
                        "iid_spans, bert_style, iid_mask, drop_tokens, deshuffle, denoise, prefix_lm (encoder-decoders "
@@ -521,8 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "regression, tagging, qa, seq2seq)",
                        description="Finetune a pretune checkpoint or Hugging Face folder (or a preset from scratch) "
                        "on labelled JSONL/CSV/TSV/Parquet data, with the task's standard metrics on dev (keep-best, "
-                       "early stopping) and test. Settings: --config YAML, then section.key=value overrides "
-                       "(sections: model, tokenizer, task, data, tune, train; see --print-config).",
+                       "early stopping) and test. Settings: --config YAML, then the flags below, then "
+                       "section.key=value overrides (sections: model, tokenizer, task, data, tune, train; see "
+                       "--print-config).",
                        epilog=FINETUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
     s.add_argument("--config", metavar="YAML", help="finetuning config file")

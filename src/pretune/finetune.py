@@ -87,7 +87,7 @@ class FinetuneConfig:
 
 
 def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base: dict | None = None) -> FinetuneConfig:
-    """defaults ← ``base`` ← YAML ← ``section.key=value`` overrides, validated (unknown keys name the nearest)."""
+    """defaults ← YAML ← flags (``base``) ← ``section.key=value``, validated (unknown keys name the nearest)."""
     from .tasks import TASKS
 
     merged = merge_layers(FinetuneConfig().to_dict(), yaml_file, overrides, base,

@@ -213,7 +213,8 @@ def _bundled_path(name: str) -> str:
 
 def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: dict | None,
                  sections: list[str]) -> dict:
-    """defaults ← base ← YAML file ← dot-list overrides, merged by OmegaConf; unknown top-level keys
+    """defaults ← YAML file ← ``base`` (the command line's flags) ← dot-list overrides, merged by OmegaConf (the
+    command line beats the file, as STYLE.md's preset → YAML → command line asks); unknown top-level keys
     are errors naming the nearest valid section. ``model: NAME`` is short for ``model: {preset: NAME}``;
     ``${bundled:PATH}`` is the path of a file of the bundled data (``pretune data bundled`` lists them)."""
     from omegaconf import OmegaConf
@@ -226,8 +227,6 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
             warnings.simplefilter("ignore", UserWarning)
             OmegaConf.register_new_resolver("bundled", _bundled_path)
     layers = [OmegaConf.create(defaults)]
-    if base:
-        layers.append(OmegaConf.create(base))
     if yaml_file is not None:
         path = Path(yaml_file)
         if not path.is_file():
@@ -241,6 +240,8 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
         if isinstance(loaded.get("model"), str):  # `model: tiny-gpt2` is short for `model: {preset: tiny-gpt2}`
             loaded.model = {"preset": loaded.model}
         layers.append(loaded)
+    if base:
+        layers.append(OmegaConf.create(base))
     dots = [o[2:] if o.startswith("--") else o for o in overrides]
     for o in dots:
         if "=" not in o:
