@@ -138,6 +138,12 @@ def test_shapes(combo):
         assert out.encoder_last_hidden_state.shape == (2, 7, 32)
     else:
         assert out.encoder_last_hidden_state is None
+    for keep in (1, 4):  # logits for the last positions only: the same numbers as the full forward's
+        with torch.no_grad():
+            last = model(SRC, decoder_input_ids=tokens, logits_to_keep=keep) if combo[0] == "encoder-decoder" \
+                else model(tokens, logits_to_keep=keep)
+        torch.testing.assert_close(last.logits, out.logits[:, -keep:], atol=ATOL, rtol=RTOL)
+        assert last.last_hidden_state.shape == (2, 6, 32)
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=_id)

@@ -82,13 +82,14 @@ class Runner:
         x = self.ids[:, start: self.length]
         if self.enc_dec:
             out = self.model(self.source, self.memory_mask, decoder_input_ids=x, encoder_hidden_states=self.memory,
-                             past_key_values=self.cache, use_cache=self.cache is not None)
+                             past_key_values=self.cache, use_cache=self.cache is not None, logits_to_keep=1)
             if self.memory is None:
                 self.memory = out.encoder_last_hidden_state  # encoded once, reused by every later step
         else:
             mask = None if self.mask is None else self.mask[:, : self.length]
             pos = None if self.positions is None else self.positions[:, start: self.length]
-            out = self.model(x, mask, position_ids=pos, past_key_values=self.cache, use_cache=self.cache is not None)
+            out = self.model(x, mask, position_ids=pos, past_key_values=self.cache, use_cache=self.cache is not None,
+                             logits_to_keep=1)
         self.fed = self.length
         return out.logits[:, -1].float()
 

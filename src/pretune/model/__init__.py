@@ -68,6 +68,7 @@ class TransformerLM(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
         """Run the model.
 
@@ -80,6 +81,9 @@ class TransformerLM(nn.Module):
             prefix_lengths: (B,) decoder-only prefix LM: the first n tokens attend bidirectionally.
             encoder_hidden_states: (B, S, dim) reuse an encoder output instead of recomputing it.
             past_key_values / use_cache: incremental decoding (see ``KVCache``).
+            logits_to_keep: n > 0: language-model logits for the last n positions only, (B, n, vocab) (generation
+                needs the last one: a long prompt then never materialises (T, vocab) logits); 0: every position.
+                Task heads ignore it.
         """
         cfg = self.config
         if prefix_lengths is not None and cfg.arch != "decoder":
@@ -90,6 +94,8 @@ class TransformerLM(nn.Module):
         peft = self.peft_state
         body = self.transformer
         encoder_out = None
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep ({logits_to_keep}) must be >= 0 (0: every position)")
         if cfg.arch == "encoder" or (self.task_head and cfg.arch == "encoder-decoder"):
             # task heads on an encoder-decoder read the encoder (classification of the input text)
             h = body.encode(input_ids, attention_mask, token_type_ids, position_ids)
@@ -108,7 +114,7 @@ class TransformerLM(nn.Module):
         if self.task_head:
             logits = self.head(h, attention_mask, pooled)
         else:
-            logits = self.head(h) if self.head is not None else None
+            logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h) if self.head is not None else None
         if peft is not None and self.task_head:
             logits = peft.route_heads(logits, h, attention_mask, pooled)
         return ModelOutput(
