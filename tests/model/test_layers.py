@@ -100,3 +100,30 @@ def test_attention_dropout_actually_drops():
     assert (a - b).abs().max() > 1e-3
     ref = F.scaled_dot_product_attention  # noqa: F841 - the eval path stays SDPA
     assert torch.equal(attn.eval()(x), attn.eval()(x))
+
+
+@pytest.mark.parametrize("position", ["relative", "alibi", "rope"])
+def test_attention_dropout_path_gradients_equal_sdpa_without_drops(position):
+    """The training path adds masks and learned position biases in place; with nothing dropped its gradients
+    (T5's relative bias table included) equal the SDPA path's."""
+    import pretune
+
+    torch.manual_seed(0)
+    model = pretune.build_model("tiny-t5-small" if position == "relative" else "tiny-llama", dropout=0.0,
+                                attn_dropout=1e-9, position=position)
+    ids = torch.randint(5, 100, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    kw = {"decoder_input_ids": ids[:, :7]} if position == "relative" else {}
+    grads = []
+    for train in (True, False):
+        model.train(train)
+        model.zero_grad()
+        out = model(ids, mask, **kw).logits
+        out.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    if position == "relative":
+        assert any("relative" in n or "bias" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
