@@ -100,12 +100,25 @@ class RotaryPositions(NoPosition):
 
     def rotate(self, q, k, positions):
         """q: (B, H, T, d), k: (B, Hkv, T, d), positions: (B, T) or (T,)."""
-        cos, sin = self._cos_sin(int(positions.max()) + 1, q.device)
+        return self.rotation(positions)(q, k, positions)
+
+    def rotation(self, positions: torch.Tensor):
+        """``rotate`` with the cos/sin rows of ``positions`` looked up once: a stack calls this once per forward
+        and every layer reuses the tables (one lookup instead of one per layer, which matters when decoding
+        one token at a time). Returns ``fn(q, k, positions)``; ``positions`` must be these."""
+        cos, sin = self._cos_sin(int(positions.max()) + 1, positions.device)
         cos, sin = cos[positions], sin[positions]  # (B, T, d) or (T, d)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+        by_dtype = {cos.dtype: (cos, sin)}
+
+        def rotate(q, k, _positions=None):
+            tables = by_dtype.get(q.dtype)
+            if tables is None:  # e.g. bf16 under autocast: cast once, not per layer
+                tables = by_dtype[q.dtype] = (cos.to(q.dtype), sin.to(q.dtype))
+            return _rope(q, *tables), _rope(k, *tables)
+
+        return rotate
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,7 @@ class Stack(nn.Module):
         if memory is not None and memory_mask is not None and not bool(memory_mask.all()):
             cross_mask, _ = build_mask(q_len=T, k_len=memory.shape[1], causal=False,
                                        key_padding=memory_mask, device=x.device)
-        rotate = self.position.rotate if self.position.has_rotation else None
+        rotate = self.position.rotation(position_ids) if self.position.has_rotation else None  # tables once
         for i in range(self.n_layers):
             block = self.layers[i % len(self.layers)]
             x = block(x, mask=mask, is_causal=is_causal, rotate=rotate, positions=position_ids,
