@@ -227,6 +227,33 @@ def test_cli_finetune_evaluate_predict(tokenizers_by_kind, cls_data, tmp_path, c
     assert "task.name='nope'" in capsys.readouterr().err
 
 
+def test_head_lr_trains_the_task_head_at_its_own_rate(tokenizers_by_kind, cls_data, tmp_path, monkeypatch):
+    import pretune.train.optim as optim
+
+    made = []
+
+    def spy(*a, **kw):
+        made.append(optim.build_optimizer.__wrapped__(*a, **kw))
+        return made[-1]
+
+    spy.__wrapped__ = optim.build_optimizer
+    monkeypatch.setattr(optim, "build_optimizer", spy)
+    lines = []
+    finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.head_lr=3e-2", "tune.epochs=1"),
+             show_progress=False, log=lines.append)
+    groups = made[0].param_groups
+    head = [g for g in groups if any(n.startswith("0.head.") for n in g["names"])]
+    body = [g for g in groups if not any(n.startswith("0.head.") for n in g["names"])]
+    assert head and body and all(all(n.startswith("0.head.") for n in g["names"]) for g in head)
+    assert {g["initial_lr"] for g in head} == {3e-2} and {g["initial_lr"] for g in body} == {2e-3}
+    assert any("task head" in line and "lr 0.03" in line for line in lines)
+
+
+def test_head_lr_needs_a_task_head(tokenizers_by_kind, cls_data, tmp_path):
+    with pytest.raises(ConfigError, match="tune.head_lr"):
+        _cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.head_lr=-1")
+
+
 def test_cli_flags_beat_the_yaml_file(tmp_path, capsys):
     conf = tmp_path / "ft.yaml"
     conf.write_text("task: {name: classification}\ntrain: {lr: 5e-5, out: runs/yaml, batch_size: 16}\n"

@@ -266,7 +266,8 @@ def cmd_finetune(args) -> int:
     if args.peft:
         base.setdefault("peft", {})["method"] = args.peft
     for key, value in (("epochs", args.epochs), ("from_scratch", args.from_scratch or None),
-                       ("freeze_body", args.freeze_body or None), ("patience", args.patience)):
+                       ("freeze_body", args.freeze_body or None), ("patience", args.patience),
+                       ("head_lr", args.head_lr)):
         if value is not None:
             base.setdefault("tune", {})[key] = value
     for key, value in (("out", args.out), ("lr", args.lr), ("batch_size", args.batch_size)):
@@ -543,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "...); the run saves a small adapter folder")
     s.add_argument("--patience", type=int, help="early stopping after N evaluations without dev improvement")
     s.add_argument("--lr", type=float, help="peak learning rate (train.lr, default 5e-5)")
+    s.add_argument("--head-lr", type=float, help="peak learning rate of the task head (tune.head_lr; default: --lr); "
+                   "with --peft a higher head rate keeps a small adapter from settling on the majority class")
     s.add_argument("--batch-size", type=int, help="examples per step (train.batch_size, default 32)")
     s.add_argument("--out", help="run folder (train.out, default runs/finetune)")
     s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .config import ConfigError
+from .config import TASK_HEADS, ConfigError
 from .peft.config import PeftConfig
 from .runconfig import TrainConfig, merge_layers, section
 from .tasks.base import Record, TaskConfig
@@ -55,6 +55,7 @@ class TuneConfig:
     patience: int = 0  # stop after this many evaluations without dev improvement; 0: never stop early
     keep_best: bool = True  # the final model is the one with the best dev metric, not the last
     warmup_ratio: float = 0.1  # linear warmup over this share of the steps (when train.warmup_steps is 0)
+    head_lr: float = 0.0  # peak learning rate of a task head (classifier, tagger, QA span head); 0: train.lr
 
 
 FINETUNE_TRAIN_DEFAULTS = dict(out="runs/finetune", lr=5e-5, batch_size=32, eval_every=0, save_every=0,
@@ -111,6 +112,8 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
                           f"({tr.grad_accum})")
     if tr.lr <= 0:
         raise ConfigError(f"train.lr={tr.lr} must be > 0")
+    if tune.head_lr < 0:
+        raise ConfigError(f"tune.head_lr={tune.head_lr} must be > 0 (or 0: the head learns at train.lr)")
     if not 0 < cfg.data.dev_fraction < 1:
         raise ConfigError(f"data.dev_fraction={cfg.data.dev_fraction} must be in (0, 1)")
     if cfg.peft.method:
@@ -428,9 +431,17 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
     n_train = len(train_feats)
     data = ExampleSet(get=train_feats.__getitem__, train_ids=np.arange(n_train), eval_ids=np.arange(0),
                       lengths=np.array([len(f["input_ids"]) for f in train_feats]))
+    param_lr = None
+    if cfg.tune.head_lr:  # the task head at its own rate (PEFT: a fresh head next to a small adapter)
+        if model.config.head not in TASK_HEADS or model.head is None:
+            raise ConfigError(f"tune.head_lr applies to a task head (classification, regression, tagging, qa); "
+                              f"task {task.name!r} trains the model's {model.config.head!r} head")
+        param_lr = {id(p): cfg.tune.head_lr for p in model.head.parameters() if p.requires_grad}
+        log(f"task head ({sum(p.numel() for p in model.head.parameters()):,} parameters) at lr "
+            f"{cfg.tune.head_lr:g}, the rest at {tr.lr:g}")
     trainer = Trainer(model=model, objective=task, data=data, cfg=tr, run_dir=run_dir, tokenizer=tok.tk,
                       dist=DistInfo(), bucket=True, run_config=cfg, show_progress=show_progress,
-                      evaluator=evaluator, on_eval=on_eval)
+                      evaluator=evaluator, on_eval=on_eval, param_lr=param_lr)
     t0 = time.perf_counter()
     result = trainer.fit(log=log)
     seconds = time.perf_counter() - t0
@@ -499,7 +510,6 @@ def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, to
     """(model, tokenizer, task) of a finetuned checkpoint (its task.json), of an adapter folder written by
     ``finetune`` with peft.method (its base model + the adapter; ``base`` overrides the recorded base), or
     of an HF task model with ``task_overrides={"name": ...}``."""
-    from .config import TASK_HEADS
     from .peft import is_adapter_folder, load_peft_model
     from .tasks import TASKS
 

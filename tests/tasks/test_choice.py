@@ -108,3 +108,13 @@ def test_choice_task_trains_with_ia3_on_a_pretrained_decoder(tokenizers_by_kind,
     assert json.loads((ia3.run_dir / "results.json").read_text())["peft"]["trainable"] < 2000
     again = evaluate(ia3.model_dir, te, show_progress=False)
     assert again["accuracy"] == pytest.approx(ia3.test["accuracy"])
+
+
+def test_head_lr_is_refused_for_the_lm_head_of_the_choice_task(tokenizers_by_kind, tmp_path):
+    rows = [{"text": f"sentence number {i} here", "label": "long" if i % 2 else "short"} for i in range(12)]
+    tr = _write(tmp_path / "train.jsonl", rows)
+    cfg = load_finetune_config(None, ["task.name=choice", f"data.train={tr}", "model.preset=tiny-gpt2",
+                                      f"tokenizer={tokenizers_by_kind['bpe']}", f"train.out={tmp_path / 'run'}",
+                                      "tune.head_lr=1e-2", "train.plot=false"])
+    with pytest.raises(ConfigError, match="tune.head_lr applies to a task head.*'lm' head"):
+        finetune(cfg, show_progress=False, log=lambda *a: None)

@@ -279,3 +279,19 @@ def test_optimizer_and_scheduler_state_round_trip(tmp_path, amsgrad):
     assert _train(model2, opt2, sched2, batches[3:]) == want_lrs  # identical lrs ...
     for p, want in zip(model2.parameters(), want_params):
         assert torch.equal(p, want)  # ... and bit-identical updates
+
+
+def test_param_lr_puts_parameters_in_groups_of_their_own_rate_that_the_schedule_scales():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    head = model[2]
+    opt = build_optimizer(model, lr=1e-3, param_lr={id(p): 5e-2 for p in head.parameters()})
+    by_name = {n: g for g in opt.param_groups for n in g["names"]}
+    assert by_name["2.weight"]["lr"] == 5e-2 and by_name["2.bias"]["lr"] == 5e-2
+    assert by_name["0.weight"]["lr"] == 1e-3 and by_name["1.weight"]["lr"] == 1e-3
+    assert by_name["2.weight"]["weight_decay"] == 0.01 and by_name["2.bias"]["weight_decay"] == 0.0
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    sched = build_scheduler(opt, "linear", warmup_steps=10, total_steps=100)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    assert math.isclose(by_name["2.weight"]["lr"], 5e-2 * 0.5) and math.isclose(by_name["0.weight"]["lr"], 1e-3 * 0.5)

@@ -87,7 +87,8 @@ class Trainer:
 
     def __init__(self, *, model, objective, data: ExampleSet, cfg, run_dir, tokenizer=None,
                  dist: DistInfo | None = None, bucket: bool = False, run_config=None, show_progress: bool = True,
-                 evaluator: Callable[[], dict] | None = None, on_eval: Callable[[int, dict], bool] | None = None):
+                 evaluator: Callable[[], dict] | None = None, on_eval: Callable[[int, dict], bool] | None = None,
+                 param_lr: dict[int, float] | None = None):
         from .optim import build_optimizer, build_scheduler
 
         self.model, self.objective, self.data, self.cfg = model, objective, data, cfg
@@ -112,7 +113,8 @@ class Trainer:
             self.ddp = DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                            find_unused_parameters=True)
         self.optimizer = build_optimizer([model, objective], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad)
+                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad,
+                                         param_lr=param_lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, warmup_steps=cfg.warmup_steps,
                                          total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         if cfg.compile:

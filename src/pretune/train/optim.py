@@ -124,6 +124,7 @@ def build_optimizer(
     eps: float = 1e-8,
     amsgrad: bool = False,
     fused: bool | None = None,
+    param_lr: dict[int, float] | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups` of ``modules``.
 
@@ -135,16 +136,35 @@ def build_optimizer(
         amsgrad: keep the running maximum of the bias-corrected second moment (seeds' AMSGrad,
             :class:`SeedsAMSGradAdamW`; no fused kernel).
         fused: ``torch.optim.AdamW``'s fused kernel (CUDA/CPU); None lets torch choose.
+        param_lr: ``id(parameter) -> learning rate`` for parameters that learn at their own rate (e.g. a task
+            head, ``tune.head_lr``); they get groups of their own, which a scheduler scales like the others.
 
     Returns:
         ``torch.optim.AdamW`` (or its :class:`SeedsAMSGradAdamW` subclass when ``amsgrad``).
     """
     groups = param_groups(modules, weight_decay)
+    if param_lr:
+        groups = _split_by_lr(groups, param_lr)
     if amsgrad:
         if fused:
             raise ValueError("fused=True is not available with amsgrad=True (the seeds' AMSGrad runs a plain loop)")
         return SeedsAMSGradAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+def _split_by_lr(groups: list[dict], param_lr: dict[int, float]) -> list[dict]:
+    """Each group split into its parameters at the base rate and one group per rate of ``param_lr``."""
+    out = []
+    for g in groups:
+        by_lr: dict[float | None, dict] = {}
+        for p, name in zip(g["params"], g["names"]):
+            lr = param_lr.get(id(p))
+            sub = by_lr.setdefault(lr, {"params": [], "names": [], "weight_decay": g["weight_decay"]})
+            sub["params"].append(p)
+            sub["names"].append(name)
+        for lr, sub in by_lr.items():
+            out.append(sub if lr is None else {**sub, "lr": lr})
+    return out
 
 
 def lr_lambda(
