@@ -274,7 +274,7 @@ class Attention(nn.Module):
         """softmax(QK^T * scale + mask) with dropout on the probabilities, then V. SDPA's fused kernels
         have no dropout on CPU and its math path uses bernoulli_; this path is the same maths with the
         cheaper keep mask and as few passes over the (B, H, T, S) scores as autograd allows: the scale
-        goes on q, the masks are added in place, and dropout's 1/(1-p) on the
+        goes on q, the masks are added in place, and dropout's 1/(1-p) multiplies the (B, H, T, Dh)
         output, so the probabilities are only masked (one pass forward, one backward)."""
         if self.n_kv_heads != self.n_heads:  # GQA: each kv head serves n_heads / n_kv_heads query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
