@@ -216,6 +216,13 @@ if __name__ == "__main__":  # worker entry point: python -m pretune.bench '{"imp
     print(json.dumps(result))
 
 
+def add_run_arguments(p, *, threads: str = "every core") -> None:
+    """The flags every ``pretune bench`` subcommand has: --rounds, --threads, --json."""
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--threads", type=int, default=0, help=f"torch threads of every run (default 0: {threads})")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
 def report(rows: list[dict], table: str, json_path: str | None) -> int:
     """Print a benchmark's table and, with ``json_path``, write its rows as JSON (every ``bench`` command)."""
     print(table)

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench import spawn_worker
+from .bench import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune", "transformers")
 DEFAULT_DATA = Path(__file__).resolve().parent / "bundled" / "tasks" / "sms_spam"  # train/dev/test, shipped whole
@@ -352,14 +352,12 @@ def add_arguments(p) -> None:
                    help="folder with train, dev and test files (default: %(default)s)")
     p.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                    help="fp32 (default) and/or bf16 = fp32 weights under torch.autocast(bfloat16)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    add_run_arguments(p)
     p.add_argument("--limit", type=int, default=0, metavar="N",
                    help="use only the first N training records (smoke tests; default: all)")
     p.add_argument("--epochs", type=float, default=1.0, help="(default 1)")
     p.add_argument("--batch", type=int, default=32, help="(default 32)")
     p.add_argument("--lr", type=float, default=5e-5, help="(default 5e-5)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads of both sides (default 0: every core)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
 def run_cli(args) -> int:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench import spawn_worker
+from .bench import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune", "transformers")
 TARGET_RATIO = 1.5  # pretune tokens/s / transformers tokens/s at batch 1
@@ -208,12 +208,10 @@ def add_arguments(p) -> None:
     """The ``pretune bench generate`` flags, for cli.py's subparser."""
     p.add_argument("--model", metavar="DIR", help="Hugging Face decoder folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8], metavar="B", help="batch sizes (default 1 8)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    add_run_arguments(p)
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row (default 32)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
     p.add_argument("--repeats", type=int, default=2, help="timed generations per process, fastest kept (default 2)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads of both sides (default 0: every core)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
 def run_cli(args) -> int:

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .bench import spawn_worker
+from .bench import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune-full", "pretune-lora", "hf-full", "peft-lora")
 SHAPE = dict(n_layers=6, dim=512, n_heads=8, ffn_dim=2048, vocab_size=8192)
@@ -162,14 +162,12 @@ def format_rows(rows: list[dict]) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    add_run_arguments(p)
     p.add_argument("--batch", type=int, default=8, help="(default 8)")
     p.add_argument("--seq", type=int, default=256, help="(default 256)")
     p.add_argument("--r", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: every core)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
 def run_cli(args) -> int:

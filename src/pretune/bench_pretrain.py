@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .bench import spawn_worker
+from .bench import add_run_arguments, spawn_worker
 
 if TYPE_CHECKING:
     import torch
@@ -389,13 +389,11 @@ def add_arguments(p) -> None:
                    help="reuse a cached token store instead of re-tokenizing (reports its recorded build time)")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                    help="bf16 = fp32 weights under torch.autocast(bfloat16)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    add_run_arguments(p, threads="torch's default")
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128, help="tokens per example incl. [CLS]/[SEP] (default 128)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
 def run_cli(args) -> int:

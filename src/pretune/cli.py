@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -369,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("bench", help="benchmarks against the reference implementations")
+    from .bench import add_run_arguments
+
     bsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
     b = bsub.add_parser("model", help="forward+backward tokens/s and MFU: pretune vs transformers",
                         description="Times a training step (forward + backward) of a GPT-2-style and a "
@@ -378,14 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--models", nargs="+", default=["gpt", "bert"], choices=["gpt", "bert"])
     b.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                    help="bf16 = fp32 weights under torch.autocast(bfloat16)")
-    b.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    add_run_arguments(b, threads="torch's default")
     b.add_argument("--steps", type=int, default=8, help="timed steps per run (median taken)")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--seq", type=int, default=256)
-    b.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     b.add_argument("--dropout", type=float, default=0.1, help="dropout in both models (default 0.1, as GPT-2/BERT)")
-    b.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     b.set_defaults(func=cmd_bench)
     b = bsub.add_parser("pretrain", help="MLM pretraining tokens/s vs transformers + tokenize-to-store MB/s",
                         description="Times MLM pretraining steps of a BERT-style model (6 layers, dim 512, vocab "
@@ -397,37 +398,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(b)
     b.set_defaults(func=cmd_bench_pretrain)
-    b = bsub.add_parser("finetune", help="finetuning MiniLM on sms_spam: wall time and test accuracy vs transformers",
-                        description="Finetunes MiniLM (all-MiniLM-L6-v2) on sms_spam for one epoch with pretune "
-                        "finetune and with transformers' Trainer (same hyperparameters, each run in its own process, "
-                        "alternating) and reports the wall time of training + one dev evaluation, the test "
-                        "accuracy of each, their ratio and whether pretune is >= 1.3x faster at equal accuracy "
-                        "(+- 0.5 points).")
-    from .bench_finetune import add_arguments as add_finetune_arguments
-    from .bench_finetune import run_cli as run_bench_finetune
-
-    add_finetune_arguments(b)
-    b.set_defaults(func=run_bench_finetune)
-    b = bsub.add_parser("generate", help="greedy decoding tokens/s (batch 1 and 8) vs transformers' generate",
-                        description="Times greedy generation of 128 new tokens after a 32-token prompt with "
-                        "SmolLM2-135M (fp32, CPU) by pretune's generate and transformers' generate (EOS ignored on "
-                        "both sides), each run in its own process, alternating, and reports tokens/s, the ratio "
-                        "and whether pretune is >= 1.5x faster at batch 1.")
-    from .bench_generate import add_arguments as add_generate_arguments
-    from .bench_generate import run_cli as run_bench_generate
-
-    add_generate_arguments(b)
-    b.set_defaults(func=run_bench_generate)
-    b = bsub.add_parser("peft", help="LoRA step time and peak memory vs full finetuning and vs peft + transformers",
-                        description="GPT-2 shape (6 layers, dim 512, batch 8 x 256): pretune full finetuning, "
-                        "pretune LoRA r=8 (q, k, v), transformers full finetuning and peft LoRA r=8 (c_attn), each "
-                        "run in its own process, alternating; reports the median step time (forward, backward, "
-                        "AdamW), peak RSS, and whether pretune's LoRA step is >= 1.15x faster than peft's.")
-    from .bench_peft import add_arguments as add_peft_arguments
-    from .bench_peft import run_cli as run_bench_peft
-
-    add_peft_arguments(b)
-    b.set_defaults(func=run_bench_peft)
+    for name, help_, description in (  # each bench_NAME module brings its flags and its run_cli
+        ("finetune", "finetuning MiniLM on sms_spam: wall time and test accuracy vs transformers",
+         "Finetunes MiniLM (all-MiniLM-L6-v2) on sms_spam for one epoch with pretune "
+         "finetune and with transformers' Trainer (same hyperparameters, each run in its own process, "
+         "alternating) and reports the wall time of training + one dev evaluation, the test "
+         "accuracy of each, their ratio and whether pretune is >= 1.3x faster at equal accuracy "
+         "(+- 0.5 points)."),
+        ("generate", "greedy decoding tokens/s (batch 1 and 8) vs transformers' generate",
+         "Times greedy generation of 128 new tokens after a 32-token prompt with "
+         "SmolLM2-135M (fp32, CPU) by pretune's generate and transformers' generate (EOS ignored on "
+         "both sides), each run in its own process, alternating, and reports tokens/s, the ratio "
+         "and whether pretune is >= 1.5x faster at batch 1."),
+        ("peft", "LoRA step time and peak memory vs full finetuning and vs peft + transformers",
+         "GPT-2 shape (6 layers, dim 512, batch 8 x 256): pretune full finetuning, "
+         "pretune LoRA r=8 (q, k, v), transformers full finetuning and peft LoRA r=8 (c_attn), each "
+         "run in its own process, alternating; reports the median step time (forward, backward, "
+         "AdamW), peak RSS, and whether pretune's LoRA step is >= 1.15x faster than peft's."),
+    ):
+        module = importlib.import_module(f"pretune.bench_{name}")
+        b = bsub.add_parser(name, help=help_, description=description)
+        module.add_arguments(b)
+        b.set_defaults(func=module.run_cli)
 
     s = sub.add_parser("tokenizer", help="train or inspect subword tokenizers (BPE, WordPiece, Unigram)")
     tsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
