@@ -113,7 +113,7 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
     if tr.lr <= 0:
         raise ConfigError(f"train.lr={tr.lr} must be > 0")
     if tune.head_lr < 0:
-        raise ConfigError(f"tune.head_lr={tune.head_lr} must be > 0 (or 0: the head learns at train.lr)")
+        raise ConfigError(f"tune.head_lr={tune.head_lr} must be >= 0 (0: the head learns at train.lr)")
     if not 0 < cfg.data.dev_fraction < 1:
         raise ConfigError(f"data.dev_fraction={cfg.data.dev_fraction} must be in (0, 1)")
     if cfg.peft.method:
