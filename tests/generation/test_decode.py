@@ -88,16 +88,18 @@ SETTINGS = {  # name: (generate options, whether some returned sequence ends bef
 }
 
 
+@pytest.mark.parametrize("static_cache", [False, True], ids=["cache", "static-cache"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
-def test_same_tokens_as_transformers(pair, family, setting):
+def test_same_tokens_as_transformers(pair, family, setting, static_cache):
+    """Also with the fixed-shape cache that compile=True decodes with (masked attention over every column)."""
     hf, ours = pair[family]
     ids, mask = _batch(family)
     eos = _eos(hf, ids, mask, family)
     options, ends_early = SETTINGS[setting]
     kw = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=2, **options)
     want = _hf_generate(hf, ids, mask, **kw)
-    got = generate(ours, ids, mask, **kw)
+    got = generate(ours, ids, mask, static_cache=static_cache, **kw)
     assert got.dtype == torch.long
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     start = 1 if family == "t5" else ids.shape[1]

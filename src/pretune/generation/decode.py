@@ -27,6 +27,7 @@ import torch
 
 from ..config import ConfigError
 from ..model import KVCache
+from ..model.attention import StaticKVCache
 from .beam import beam_search
 
 __all__ = ["generate", "GenerationError"]
@@ -48,7 +49,8 @@ class Runner:
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                 max_new_tokens: int, use_cache: bool, decoder_start: int):
+                 max_new_tokens: int, use_cache: bool, decoder_start: int, static_cache: bool = False,
+                 compile: bool = False):
         self.model = model
         self.enc_dec = model.config.arch == "encoder-decoder"
         B, T = input_ids.shape
@@ -74,24 +76,44 @@ class Runner:
         self.ids[:, : self.prompt_len] = prompt
         self.length = self.prompt_len  # columns of ids in use
         self.fed = 0  # columns the cache has seen
-        self.cache = KVCache(capacity=self.prompt_len + max_new_tokens) if use_cache else None
+        self.step = None  # the compiled decoding step (compile=True)
+        if static_cache or compile:  # fixed shapes: every step after the prompt is the same computation
+            capacity = _static_capacity(self.prompt_len + max_new_tokens)
+            key_mask = None
+            if self.mask is not None:
+                key_mask = torch.ones(B, capacity, dtype=torch.bool, device=dev)
+                key_mask[:, :T] = attention_mask.bool()
+            self.cache = StaticKVCache(capacity, device=dev, key_mask=key_mask)
+            model.transformer.decoder.position.reserve(capacity)
+            if compile:
+                self.step = _compiled_step(dev)
+        else:
+            self.cache = KVCache(capacity=self.prompt_len + max_new_tokens) if use_cache else None
 
     def logits(self) -> torch.Tensor:
         """Next-token logits (B, vocab) in fp32 after the tokens so far."""
         start = self.fed if self.cache is not None else 0
         x = self.ids[:, start: self.length]
+        static = isinstance(self.cache, StaticKVCache)
+        # the prompt runs eagerly (its own shape); every later step through the compiled step, if any
+        forward = self.step if self.step is not None and self.fed > 0 else _last_logits
         if self.enc_dec:
-            out = self.model(self.source, self.memory_mask, decoder_input_ids=x, encoder_hidden_states=self.memory,
-                             past_key_values=self.cache, use_cache=self.cache is not None, logits_to_keep=1)
             if self.memory is None:
+                out = self.model(self.source, self.memory_mask, decoder_input_ids=x, past_key_values=self.cache,
+                                 use_cache=self.cache is not None, logits_to_keep=1)
                 self.memory = out.encoder_last_hidden_state  # encoded once, reused by every later step
+                logits = out.logits[:, -1]
+            else:
+                logits = forward(self.model, self.source, self.memory_mask, decoder_input_ids=x.contiguous(),
+                                 encoder_hidden_states=self.memory, past_key_values=self.cache,
+                                 use_cache=self.cache is not None, logits_to_keep=1)
         else:
-            mask = None if self.mask is None else self.mask[:, : self.length]
-            pos = None if self.positions is None else self.positions[:, start: self.length]
-            out = self.model(x, mask, position_ids=pos, past_key_values=self.cache, use_cache=self.cache is not None,
-                             logits_to_keep=1)
+            mask = None if self.mask is None or static else self.mask[:, : self.length]  # static: the cache's
+            pos = None if self.positions is None else self.positions[:, start: self.length].contiguous()
+            logits = forward(self.model, x.contiguous(), mask, position_ids=pos, past_key_values=self.cache,
+                             use_cache=self.cache is not None, logits_to_keep=1)
         self.fed = self.length
-        return out.logits[:, -1].float()
+        return logits.float()
 
     def append(self, tokens: torch.Tensor) -> None:
         """Add one token per row, (B,)."""
@@ -120,6 +142,38 @@ class Runner:
 
     def output(self) -> torch.Tensor:
         return self.ids[:, : self.length]
+
+
+def _static_capacity(n: int) -> int:
+    """Columns of a static cache for n tokens: rounded up to a multiple of 64, so that prompts and lengths
+    that differ a little share one compiled step (the extra masked columns cost next to nothing)."""
+    return -(-n // 64) * 64
+
+
+def _last_logits(model, *args, **kwargs) -> torch.Tensor:
+    """The model's LM logits at the last position, (B, vocab)."""
+    return model(*args, **kwargs).logits[:, -1]
+
+
+def _last_logits_cpp(model, *args, **kwargs) -> torch.Tensor:  # the same, compiled with other options (CPU)
+    return model(*args, **kwargs).logits[:, -1]
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled_step(device: torch.device) -> Callable:
+    """``_last_logits`` under ``torch.compile`` for one device type, created once per process: a decoding step
+    over a StaticKVCache has the same shapes every time, so it compiles once per (model, batch, capacity) and
+    then runs without Python overhead per operation. On the CPU the compiled graph is called through inductor's
+    C++ wrapper (``cpp_wrapper``), which takes most of the remaining per-step launch cost away."""
+    kind = device.type
+    if kind not in _COMPILED:
+        if kind == "cpu":
+            _COMPILED[kind] = torch.compile(_last_logits_cpp, dynamic=False, options={"cpp_wrapper": True})
+        else:
+            _COMPILED[kind] = torch.compile(_last_logits, dynamic=False)
+    return _COMPILED[kind]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +368,8 @@ def generate(
     streamer: Callable[[list[int]], None] | None = None,
     decoder_start_token_id: int | None = None,
     min_new_tokens: int = 0,
+    static_cache: bool = False,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Generate continuations of ``input_ids`` with a decoder-only or encoder-decoder ``TransformerLM``.
 
@@ -348,6 +404,15 @@ def generate(
         use_cache: reuse keys/values of past tokens (False: rerun the whole sequence every step; same tokens).
         streamer: called after every step with the new token ids (a list of one id) of a single sequence.
         decoder_start_token_id: encoder-decoders: the first decoder token (default: the model config's).
+        static_cache: keep keys/values in a cache of fixed shape (``StaticKVCache``: capacity prompt + max_new_tokens
+            rounded up to 64, every step attends over all of it with a mask) instead of the growing one; the
+            same tokens up to floating-point rounding. What ``compile`` decodes with; on its own, for checking it.
+        compile: decode with a fixed-shape key/value cache (``StaticKVCache``) and every step after the prompt
+            through ``torch.compile`` (inductor; on the CPU through its C++ wrapper, so a C++ compiler must be
+            installed). The first call per (model, batch size, prompt + max_new_tokens rounded up to 64) compiles
+            for tens of seconds (less once inductor's on-disk cache has the kernels); later steps cost little beyond
+            the weight reads. Worth it for long generations and repeated calls with the same shapes; the tokens are
+            those of the eager path up to floating-point rounding (attention over a masked fixed-size cache).
 
     Returns:
         LongTensor: decoder-only (B * num_return_sequences, T + n) = prompt + new tokens; encoder-decoder
@@ -364,6 +429,12 @@ def generate(
            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams,
            num_return_sequences=num_return_sequences, early_stopping=early_stopping, stop=stop,
            tokenizer=tokenizer, streamer=streamer)
+    for name, on in (("compile", compile), ("static_cache", static_cache)):
+        if on and not use_cache:
+            raise GenerationError(f"{name}=True needs use_cache=True (it decodes with a fixed-size key/value cache)")
+        if on and model.transformer.decoder.prompt is not None:
+            raise GenerationError(f"{name}=True does not support prompt tuning (the soft prompt changes the "
+                                  "decoder's length); generate without it")
     cfg = model.config
     if eos_token_id is None:
         eos_token_id = getattr(cfg, "eos_token_id", None)
@@ -384,7 +455,7 @@ def generate(
     try:
         with torch.inference_mode():
             runner = Runner(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, use_cache=use_cache,
-                            decoder_start=start)
+                            decoder_start=start, static_cache=static_cache, compile=compile)
             stops = StopStrings(stop, tokenizer, runner.prompt_len) if stop else None
             if max_new_tokens == 0:
                 return runner.output().clone()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import _keep_mask
+from .layers import FusedLinears, _keep_mask
 
 
 class LayerCache:
@@ -102,11 +102,92 @@ class KVCache:
             lc.reorder(index, cross=cross)
 
 
+class StaticLayerCache:
+    """Keys/values of one decoder layer in buffers of a fixed shape (B, Hkv, capacity, Dh), zero until written.
+    ``append`` writes the new keys/values at the columns the owning :class:`StaticKVCache` points to and returns
+    the whole buffers: attention reads every column and the mask (``StaticKVCache.index``) hides the ones not
+    written yet. Nothing here depends on a Python int that changes per step, so a compiled decoding step sees
+    the same shapes every time."""
+
+    def __init__(self, owner: "StaticKVCache"):
+        self.owner = owner
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self.cross_k: torch.Tensor | None = None  # (B, Hkv, T_enc, Dh), as LayerCache
+        self.cross_v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys/values (B, Hkv, T, Dh) at columns index .. index + T - 1; return both buffers."""
+        if self._k is None:  # zeros, not empty: a masked column still enters q.k and p.v (0 * NaN would be NaN)
+            B, H, _, D = k.shape
+            self._k = k.new_zeros(B, H, self.owner.capacity, D)
+            self._v = v.new_zeros(B, H, self.owner.capacity, v.shape[3])
+        cols = self.owner.columns(k.shape[2])
+        self._k.index_copy_(2, cols, k)
+        self._v.index_copy_(2, cols, v)
+        return self._k, self._v
+
+    def reorder(self, index: torch.Tensor, *, cross: bool = True) -> None:
+        if self._k is not None:
+            self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+        if cross and self.cross_k is not None:
+            self.cross_k, self.cross_v = self.cross_k.index_select(0, index), self.cross_v.index_select(0, index)
+
+
+class StaticKVCache:
+    """A key/value cache of fixed capacity for compiled decoding (``generate(..., compile=True)``).
+
+    Unlike :class:`KVCache`, whose length is a Python int and whose attention reads only the columns in use,
+    this cache keeps the write position in a tensor (``index``, (1,)) and every forward attends over all
+    ``capacity`` columns with a mask built from ``index`` (columns after the newest token are hidden) and
+    ``key_mask`` (B, capacity) (0 for left-padding columns; None: no padding). A forward with T new tokens writes
+    columns index .. index + T - 1 and then advances ``index`` by T. Queries are at columns, so relative position
+    biases (T5, ALiBi) see the same distances as with :class:`KVCache`; position ids for RoPE/learned tables are
+    passed explicitly for left-padded rows, as with the dynamic cache.
+    """
+
+    static = True
+
+    def __init__(self, capacity: int, *, device: torch.device | str = "cpu", key_mask: torch.Tensor | None = None):
+        if capacity < 1:
+            raise ValueError(f"StaticKVCache capacity must be >= 1, got {capacity}")
+        if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[1] != capacity):
+            raise ValueError(f"key_mask must be (B, capacity={capacity}), got {tuple(key_mask.shape)}")
+        self.capacity = capacity
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.key_mask = None if key_mask is None else key_mask.to(device=device, dtype=torch.bool)
+        self.layers: list[StaticLayerCache] = []
+
+    def layer(self, i: int) -> StaticLayerCache:
+        while len(self.layers) <= i:
+            self.layers.append(StaticLayerCache(self))
+        return self.layers[i]
+
+    @property
+    def length(self) -> int:
+        """Columns written so far (reads the index tensor: not for use inside a compiled step)."""
+        return int(self.index)
+
+    def columns(self, n: int) -> torch.Tensor:
+        """The columns the next n tokens go to, (n,)."""
+        return self.index + torch.arange(n, device=self.index.device)
+
+    def advance(self, n: int) -> None:
+        self.index += n
+
+    def reorder(self, index: torch.Tensor, *, cross: bool = True) -> None:
+        """Keep batch rows ``index`` (B_new,) in that order (beam search), as KVCache.reorder."""
+        for lc in self.layers:
+            lc.reorder(index, cross=cross)
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.index_select(0, index)
+
+
 def build_mask(
     *,
     q_len: int,
     k_len: int,
-    q_offset: int = 0,
+    q_offset: int | torch.Tensor = 0,
     causal: bool,
     key_padding: torch.Tensor | None = None,
     prefix_lengths: torch.Tensor | None = None,
@@ -116,7 +197,9 @@ def build_mask(
     """Combine causal/prefix/padding masks and an additive position bias into one SDPA mask.
 
     Args:
-        q_len, k_len: query and key lengths; queries sit at positions q_offset .. q_offset+q_len-1.
+        q_len, k_len: query and key lengths; queries sit at positions q_offset .. q_offset+q_len-1. A tensor
+            q_offset ((1,), a StaticKVCache index) always gives a full mask, causal even for one query: keys
+            after the queries exist (columns not written yet) and must be hidden.
         causal: query i may only see keys j <= i.
         key_padding: (B, k_len) bool/int, 1 for real tokens, 0 for padding.
         prefix_lengths: (B,) prefix-LM: keys j < prefix_len are visible to every query.
@@ -125,15 +208,16 @@ def build_mask(
         (mask, is_causal): an additive float mask (B|1, H|1, q_len, k_len) or None, and whether
         SDPA should apply its own causal mask (the fast path: causal, nothing else, no cache).
     """
-    needs_causal = causal and q_len > 1
-    if key_padding is None and prefix_lengths is None and bias is None:
+    static = isinstance(q_offset, torch.Tensor)
+    needs_causal = causal and (q_len > 1 or static)
+    if key_padding is None and prefix_lengths is None and bias is None and not static:
         if not needs_causal:
             return None, False
         if q_offset == 0 and q_len == k_len:
             return None, True
     allowed = None  # (B|1, 1, q_len, k_len) bool
     if needs_causal:
-        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
+        q_pos = q_offset + torch.arange(q_len, device=device)
         k_pos = torch.arange(k_len, device=device)
         allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
         if prefix_lengths is not None:
@@ -190,42 +274,14 @@ class Attention(nn.Module):
         # prefix tuning (pretune.peft): callable (k, v, mask, is_causal, q_len) -> (k, v, mask, is_causal)
         # with trainable key/value prefixes prepended; set by pretune.peft.inject, None otherwise
         self.prefix = None
-        self._qkv_cache: tuple | None = None  # (key, fused weight, fused bias) while the weights are unchanged
+        self._qkv = FusedLinears()
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.unflatten(-1, (n, self.dh)).transpose(1, 2)  # (B, T, n*Dh) -> (B, n, T, Dh)
 
     def _project_qkv(self, x: torch.Tensor):
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        # a PEFT wrapper (pretune.peft.PeftLinear) keeps its frozen layer as .base_layer and adds its
-        # change to the base output with .adjust(x, y); one that rescales its input needs its own call
-        bases = [getattr(p, "base_layer", p) for p in projs]
-        if any(type(b) is not nn.Linear or getattr(p, "scales_input", False) for p, b in zip(projs, bases)):
-            return (self._heads(self.q_proj(x), self.n_heads), self._heads(self.k_proj(x), self.n_kv_heads),
-                    self._heads(self.v_proj(x), self.n_kv_heads))
-        # one matmul for q, k and v (one read of x, one autocast cast of it) instead of three
-        w, b = self._fused_qkv(bases)
-        qkv = F.linear(x, w, b).split([self.n_heads * self.dh, self.n_kv_heads * self.dh,
-                                       self.n_kv_heads * self.dh], dim=-1)
-        q, k, v = (y if p is base else p.adjust(x, y) for p, base, y in zip(projs, bases, qkv))
+        q, k, v = self._qkv(x, (self.q_proj, self.k_proj, self.v_proj))  # one matmul for the three
         return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-
-    def _fused_qkv(self, bases) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The q, k, v weights (and biases) stacked. Weights that train are concatenated on every call (the
-        graph must reach them); frozen ones (inference, generation, LoRA) are stacked once and reused until a
-        weight changes (in-place updates bump the tensor's version, a move gives a new storage; a write through
-        ``param.data`` bypasses the version counter and is not seen)."""
-        tensors = [b.weight for b in bases] + ([b.bias for b in bases] if bases[0].bias is not None else [])
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            w = torch.cat(tensors[:3])
-            return w, (torch.cat(tensors[3:]) if len(tensors) > 3 else None)
-        key = (torch.is_inference_mode_enabled(), *((t.data_ptr(), t._version, t.dtype) for t in tensors))
-        if self._qkv_cache is None or self._qkv_cache[0] != key:
-            with torch.no_grad():
-                w = torch.cat(tensors[:3])
-                b = torch.cat(tensors[3:]) if len(tensors) > 3 else None
-            self._qkv_cache = (key, w, b)
-        return self._qkv_cache[1], self._qkv_cache[2]
 
     def forward(
         self,

@@ -27,6 +27,52 @@ class RMSNorm(nn.Module):
         return self.weight.to(x.dtype) * y
 
 
+class FusedLinears:
+    """Several ``nn.Linear`` layers that read the same input (q, k, v; an FFN's gate and up projections) run as one
+    matmul: one read of the input and of a stacked weight instead of one per layer, which matters most when
+    decoding one token at a time. Held as a plain attribute by the module that owns the layers (not a submodule:
+    the stacked weight is a cache, never a parameter or a state-dict entry).
+
+    Weights that train are concatenated on every call (autograd must reach them); frozen ones (inference,
+    generation, LoRA) are stacked once and reused until a weight changes (in-place updates bump the tensor's
+    version, a move gives a new storage; a write through ``param.data`` bypasses the version counter and is not
+    seen). A PEFT wrapper (pretune.peft.PeftLinear) keeps its frozen layer as ``.base_layer`` and adds its change
+    to the base output with ``.adjust(x, y)``; one that rescales its input needs its own call, and then every layer
+    runs on its own.
+    """
+
+    def __init__(self):
+        self._cache: tuple | None = None  # (key, stacked weight, stacked bias)
+
+    def __call__(self, x: torch.Tensor, layers) -> list[torch.Tensor]:
+        bases = [getattr(p, "base_layer", p) for p in layers]
+        if (any(type(b) is not nn.Linear or getattr(p, "scales_input", False) for p, b in zip(layers, bases))
+                or len({b.bias is None for b in bases}) > 1):  # (some with a bias, some without: rare, unfused)
+            return [p(x) for p in layers]
+        w, b = self.weights(bases)
+        ys = F.linear(x, w, b).split([base.out_features for base in bases], dim=-1)
+        return [y if p is base else p.adjust(x, y) for p, base, y in zip(layers, bases, ys)]
+
+    def weights(self, bases) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers' weights (and biases) stacked along the output dimension."""
+        if self._cache is not None and torch.compiler.is_compiling():
+            # a compiled decoding step (generate(compile=True)) runs after an eager prefill filled this cache, and
+            # the weights cannot change under its inference mode; data_ptr() keys would break the graph
+            return self._cache[1], self._cache[2]
+        biases = [b.bias for b in bases] if bases[0].bias is not None else []
+        tensors = [b.weight for b in bases] + biases
+        n = len(bases)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return torch.cat(tensors[:n]), (torch.cat(tensors[n:]) if biases else None)
+        key = (torch.is_inference_mode_enabled(), *((t.data_ptr(), t._version, t.dtype) for t in tensors))
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                w = torch.cat(tensors[:n])
+                b = torch.cat(tensors[n:]) if biases else None
+            self._cache = (key, w, b)
+        return self._cache[1], self._cache[2]
+
+
 def _keep_mask(shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
     """Bernoulli(1 - p) keep mask, ~3x cheaper than ``bernoulli_`` on CPU: one 64-bit random draw (63
     random bits) gives four 15-bit uniform words, each compared with a threshold, so p is quantised to
@@ -107,8 +153,10 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)  # xV (gated) or x W1
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if gated else None  # xW
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)  # W2
+        self._gate_up = FusedLinears()  # xW and xV in one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._gate_up(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(self.act(gate) * up)

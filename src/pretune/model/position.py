@@ -32,6 +32,9 @@ class NoPosition(nn.Module):
     def rotate(self, q, k, positions):
         return q, k
 
+    def reserve(self, n: int) -> None:
+        """Make positions < n usable without growing anything later (before a compiled decoding step)."""
+
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
@@ -52,7 +55,13 @@ class SinusoidalPositions(NoPosition):
         table[:, 1::2] = torch.cos(pos * inv)  # PE(pos, 2i+1)
         return table
 
+    def reserve(self, n: int) -> None:
+        if n > self.table.shape[0]:
+            self.table = self._table(n).to(self.table.device)
+
     def add(self, x, positions):
+        if torch.compiler.is_compiling():  # no data-dependent branch in a compiled step: reserve() ran before
+            return x + self.table[positions].to(x.dtype)
         if int(positions.max()) >= self.table.shape[0]:  # sinusoids extrapolate: grow the table
             self.table = self._table(int(positions.max()) + 1).to(self.table.device)
         return x + self.table[positions].to(x.dtype)
@@ -69,7 +78,7 @@ class LearnedPositions(NoPosition):
 
     def add(self, x, positions):
         positions = positions + self.offset
-        if int(positions.max()) >= self.weight.shape[0]:
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.weight.shape[0]:
             raise ValueError(
                 f"sequence needs position {int(positions.max())} but the learned position table has "
                 f"{self.weight.shape[0]} rows (max_seq_len={self.weight.shape[0]}, offset={self.offset})")
@@ -98,15 +107,20 @@ class RotaryPositions(NoPosition):
             self._cache = (n, angles.cos(), angles.sin())
         return self._cache[1], self._cache[2]
 
+    def reserve(self, n: int) -> None:
+        self._cos_sin(n, self.inv_freq.device)
+
     def rotate(self, q, k, positions):
         """q: (B, H, T, d), k: (B, Hkv, T, d), positions: (B, T) or (T,)."""
         return self.rotation(positions)(q, k, positions)
 
-    def rotation(self, positions: torch.Tensor):
+    def rotation(self, positions: torch.Tensor, length: int | None = None):
         """``rotate`` with the cos/sin rows of ``positions`` looked up once: a stack calls this once per forward
         and every layer reuses the tables (one lookup instead of one per layer, which matters when decoding
-        one token at a time). Returns ``fn(q, k, positions)``; ``positions`` must be these."""
-        cos, sin = self._cos_sin(int(positions.max()) + 1, positions.device)
+        one token at a time). Returns ``fn(q, k, positions)``; ``positions`` must be these. ``length``: the
+        tables must cover positions < length (a static cache's capacity; None: read max(positions), which
+        a compiled step cannot do)."""
+        cos, sin = self._cos_sin(int(positions.max()) + 1 if length is None else length, positions.device)
         cos, sin = cos[positions], sin[positions]  # (B, T, d) or (T, d)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d)

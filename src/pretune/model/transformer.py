@@ -94,15 +94,20 @@ class Stack(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """x: (B, T, E) token embeddings; attention_mask: (B, T_past + T) 1 = real token;
-        memory: (B, S, dim) encoder output with memory_mask (B, S). Returns (B, T, dim)."""
-        past = cache.length if cache is not None else 0
+        memory: (B, S, dim) encoder output with memory_mask (B, S). Returns (B, T, dim).
+        With a StaticKVCache the cache's ``key_mask`` takes the place of ``attention_mask`` (which must be None)."""
+        static = getattr(cache, "static", False)
+        if static and (attention_mask is not None or self.prompt is not None):
+            raise ValueError("a StaticKVCache carries the padding itself (key_mask): pass attention_mask=None; "
+                             "prompt tuning is not supported with it")
+        past = cache.index if static else cache.length if cache is not None else 0  # (1,) tensor | int
         n_virtual = 0
         if self.prompt is not None:
             x, attention_mask, token_type_ids, position_ids, n_virtual = self.prompt(
                 x, attention_mask, token_type_ids, position_ids, past)
         B, T, _ = x.shape
         if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=x.device)  # (T,)
+            position_ids = past + torch.arange(T, device=x.device)  # (T,)
         if self.token_type is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros(B, T, dtype=torch.long, device=x.device)
@@ -114,26 +119,34 @@ class Stack(nn.Module):
         if self.embed_proj is not None:
             x = self.embed_proj(x)
 
-        k_len = past + T
+        k_len = cache.capacity if static else past + T  # a static cache: attend over every column
         pos_bias = None
         if self.position.has_bias:
-            pos_bias = self.position.bias(torch.arange(past, k_len, device=x.device),
+            pos_bias = self.position.bias(past + torch.arange(T, device=x.device),
                                           torch.arange(k_len, device=x.device))
-        if attention_mask is not None and bool(attention_mask.all()):
+        if static:
+            attention_mask = cache.key_mask
+        elif attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # nothing padded: keep SDPA's fast path
         mask, is_causal = build_mask(q_len=T, k_len=k_len, q_offset=past, causal=self.causal,
                                      key_padding=attention_mask, prefix_lengths=prefix_lengths,
                                      bias=pos_bias, device=x.device)
         cross_mask = None
-        if memory is not None and memory_mask is not None and not bool(memory_mask.all()):
+        # (a compiled step cannot branch on tensor values: it always applies a given memory mask)
+        if memory is not None and memory_mask is not None and (
+                torch.compiler.is_compiling() or not bool(memory_mask.all())):
             cross_mask, _ = build_mask(q_len=T, k_len=memory.shape[1], causal=False,
                                        key_padding=memory_mask, device=x.device)
-        rotate = self.position.rotation(position_ids) if self.position.has_rotation else None  # tables once
+        rotate = None
+        if self.position.has_rotation:  # cos/sin tables looked up once for every layer
+            rotate = self.position.rotation(position_ids, length=k_len if static else None)
         for i in range(self.n_layers):
             block = self.layers[i % len(self.layers)]
             x = block(x, mask=mask, is_causal=is_causal, rotate=rotate, positions=position_ids,
                       memory=memory, memory_mask=cross_mask,
                       cache=cache.layer(i) if cache is not None else None)
+        if static:
+            cache.advance(T)
         if self.norm is not None:
             x = self.norm(x)
         return x[:, n_virtual:] if n_virtual else x
