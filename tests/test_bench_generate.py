@@ -29,26 +29,40 @@ def _in_process(job, module):
 
 @pytest.mark.parametrize("spawn", [_in_process, pytest.param(None, marks=pytest.mark.slow)])
 def test_bench_generate_tiny(tiny_llama, spawn):
-    """Two rounds, batch 1 and 2: both sides generate exactly new_tokens tokens per row (in this process, or
+    """Two rounds, batch 1 and 2: every side generates exactly new_tokens tokens per row (in this process, or
     each run in its own process as the real benchmark does: slow, ~7 s per process start)."""
     lines = []
     kw = {"spawn": spawn} if spawn is not None else {}
     rows = bg.bench_generate(model=tiny_llama, batches=(1, 2), rounds=2, prompt_len=5, new_tokens=6, repeats=1,
                              threads=1, show_progress=False, echo=lines.append, **kw)
-    assert [r["batch"] for r in rows] == [1, 2] and len(lines) == 8
+    assert [r["batch"] for r in rows] == [1, 2] and len(lines) == 12
     order = [line.split(":")[0] for line in lines]  # who goes first alternates between rounds
-    assert order[:2] == ["batch 1 pretune", "batch 1 transformers"] and order[4:6] == ["batch 1 transformers",
-                                                                                        "batch 1 pretune"]
+    assert order[:3] == ["batch 1 pretune", "batch 1 pretune-compiled", "batch 1 transformers"]
+    assert order[6:9] == ["batch 1 transformers", "batch 1 pretune-compiled", "batch 1 pretune"]
     for row in rows:
         assert row["bench"] == "generate" and row["threads"] == 1 and row["new_tokens"] == 6
         for impl in bg.IMPLS:
             assert len(row[f"{impl}_runs"]) == 2 and row[f"{impl}_tokens_per_s"] > 0
-        assert row["ratio"] == pytest.approx(row["pretune_tokens_per_s"] / row["transformers_tokens_per_s"])
-        assert row["same_tokens"] is True  # the same greedy tokens on both sides
-    assert rows[0]["target_met"] == (rows[0]["ratio"] >= bg.TARGET_RATIO) and "target_met" not in rows[1]
+        for impl, key in bg.OURS.items():
+            assert row[f"{key}ratio"] == pytest.approx(row[f"{impl}_tokens_per_s"] / row["transformers_tokens_per_s"])
+            assert row[f"{key}same_tokens"] is True  # the same greedy tokens as transformers
+        assert row["compiled_first_seconds"] > 0
+    for key in bg.OURS.values():
+        assert rows[0][f"{key}target_met"] == (rows[0][f"{key}ratio"] >= bg.TARGET_RATIO)
+        assert f"{key}target_met" not in rows[1]
     text = bg.format_rows(rows)
-    assert "6 new tokens after a 5-token prompt" in text and "target" in text
+    assert "6 new tokens after a 5-token prompt" in text and "target" in text and "first call" in text
     json.dumps(rows)  # --json writes them as they are
+
+
+def test_bench_generate_subset_of_implementations(tiny_llama):
+    rows = bg.bench_generate(model=tiny_llama, batches=(1,), rounds=1, prompt_len=4, new_tokens=3, repeats=1,
+                             threads=1, show_progress=False, echo=None, impls=("pretune", "transformers"),
+                             spawn=_in_process)
+    assert "ratio" in rows[0] and "compiled_ratio" not in rows[0] and "pretune-compiled_runs" not in rows[0]
+    assert "compiled" not in bg.format_rows(rows)
+    with pytest.raises(ValueError, match="impls"):
+        bg.bench_generate(model=tiny_llama, impls=("pretune", "vllm"))
 
 
 def test_worker_generates_every_token(tiny_llama):
@@ -65,8 +79,12 @@ def test_format_rows():
            "transformers_runs": [18.0], "pretune_tokens_per_s": 30.0, "transformers_tokens_per_s": 18.0,
            "ratio": 30 / 18, "same_tokens": True, "target_met": True}
     text = bg.format_rows([row])
-    assert "smollm2-135m-instruct" in text and "1.67" in text and ": met" in text
+    assert "smollm2-135m-instruct" in text and "1.67" in text and ": met" in text and "same tokens" in text
     assert "NOT met" in bg.format_rows([{**row, "ratio": 1.2, "target_met": False}])
+    compiled = {**row, "pretune-compiled_runs": [36.0], "pretune-compiled_tokens_per_s": 36.0, "compiled_ratio": 2.0,
+                "compiled_same_tokens": False, "compiled_target_met": True, "compiled_first_seconds": 61.0}
+    text = bg.format_rows([compiled])
+    assert "2.00" in text and "tokens DIFFER" in text and "61.0 s" in text
 
 
 def test_arguments_are_checked(tmp_path):

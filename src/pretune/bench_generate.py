@@ -7,7 +7,10 @@ greedy, with the KV cache. Both are given ``min_new_tokens = max_new_tokens = ne
 stops at EOS: every run produces exactly ``batch * new_tokens`` tokens (checked), and the two outputs are
 compared token for token (``same_tokens``).
 
-* pretune: ``pretune.from_hf(folder)`` and :func:`pretune.generation.generate`.
+* pretune: ``pretune.from_hf(folder)`` and :func:`pretune.generation.generate` (eager).
+* pretune-compiled: the same with ``compile=True`` (a fixed-shape KV cache and a ``torch.compile``'d decoding
+  step). Its warm-up generates the full ``new_tokens`` (so that the timed runs find the step compiled for their
+  shape) and its time, compilation included, is reported as ``first_seconds``.
 * transformers: ``AutoModelForCausalLM.from_pretrained(folder, dtype=float32)`` (its default attention, SDPA)
   and ``model.generate(..., do_sample=False, num_beams=1)``.
 
@@ -15,7 +18,8 @@ Each measurement is one Python process (:func:`pretune.bench.spawn_worker`); the
 which goes first, for ``rounds`` rounds. In a process: one untimed warm-up generation of 8 tokens, then
 ``repeats`` timed generations (``time.perf_counter`` around the ``generate`` call: prefill + every decoding
 step); the process reports its fastest. Tokens/s = batch * new_tokens / seconds; the table gives the median
-over rounds of each side and the ratio pretune / transformers (target: >= 1.5 at batch 1).
+over rounds of each side and the ratios pretune / transformers and pretune-compiled / transformers (target:
+>= 1.5 at batch 1).
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from pathlib import Path
 
 from .bench import add_run_arguments, spawn_worker
 
-IMPLS = ("pretune", "transformers")
+IMPLS = ("pretune", "pretune-compiled", "transformers")
+OURS = {"pretune": "", "pretune-compiled": "compiled_"}  # our implementations -> prefix of their row keys
 TARGET_RATIO = 1.5  # pretune tokens/s / transformers tokens/s at batch 1
 
 
 @dataclass
 class Job:
-    impl: str  # pretune | transformers
+    impl: str  # pretune | pretune-compiled | transformers
     model: str  # Hugging Face decoder folder
     batch: int = 1
     prompt_len: int = 32
@@ -50,15 +55,16 @@ class Job:
 def _load(job: Job):
     import torch
 
-    if job.impl == "pretune":
+    if job.impl in OURS:
         from . import from_hf
         from .generation import generate
 
         model = from_hf(job.model)
+        compile = job.impl == "pretune-compiled"
 
         def run(ids, n):
             return generate(model, ids, torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                            pad_token_id=model.config.pad_token_id)
+                            pad_token_id=model.config.pad_token_id, compile=compile)
     else:
         import transformers as T
 
@@ -76,8 +82,8 @@ def run_worker(job: Job) -> dict:
     """Time greedy generation with one implementation (see the module docstring).
 
     Returns:
-        tokens_per_s (fastest repeat), seconds (of that repeat), all_seconds, tokens (of row 0: the new ids,
-        to compare the two sides), threads.
+        tokens_per_s (fastest repeat), seconds (of that repeat), all_seconds, first_seconds (the warm-up call;
+        pretune-compiled: compiling included), tokens (the new ids, to compare the sides), threads.
     """
     import torch
 
@@ -90,7 +96,9 @@ def run_worker(job: Job) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(job.seed)
     ids = torch.randint(min(100, vocab - 1), vocab, (job.batch, job.prompt_len), generator=g)
-    run(ids, 8)  # warm-up: first-call allocations, lazy init
+    t0 = time.perf_counter()  # warm-up: first-call allocations, lazy init; compiling the step for this shape
+    run(ids, job.new_tokens if job.impl == "pretune-compiled" else 8)
+    first = time.perf_counter() - t0
     seconds = []
     for _ in range(job.repeats):
         t0 = time.perf_counter()
@@ -101,7 +109,7 @@ def run_worker(job: Job) -> dict:
                            f"{(job.batch, job.prompt_len + job.new_tokens)}")
     best = min(seconds)
     return {"tokens_per_s": job.batch * job.new_tokens / best, "seconds": best, "all_seconds": seconds,
-            "tokens": out[:, job.prompt_len:].tolist(), "threads": torch.get_num_threads()}
+            "first_seconds": first, "tokens": out[:, job.prompt_len:].tolist(), "threads": torch.get_num_threads()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +118,8 @@ def run_worker(job: Job) -> dict:
 def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: int = 32, new_tokens: int = 128,
                    repeats: int = 2, threads: int = 0, seed: int = 0, impls=IMPLS, show_progress: bool = True,
                    echo=print, spawn=spawn_worker) -> list[dict]:
-    """Alternate pretune and transformers greedy generation, one process per run, ``rounds`` times per batch size.
+    """Alternate pretune (eager, compiled) and transformers greedy generation, one process per run, ``rounds``
+    times per batch size.
 
     Args:
         model: a Hugging Face decoder folder; None: SmolLM2-135M-Instruct (``pretune.realmodels.smollm2_dir``).
@@ -120,12 +129,14 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
         repeats: timed generations per process (its fastest counts).
         threads: torch threads of both sides; 0: every core.
         echo: where a line per finished run goes (None: nowhere).
+        impls: which of IMPLS to run (transformers plus at least one of ours for the ratios).
         spawn: runs one :class:`Job` and returns its result (default: in a fresh process).
 
     Returns:
         One row per batch size: the settings, ``<impl>_runs`` (tokens/s per round), ``<impl>_tokens_per_s``
-        (median), ``ratio`` (pretune / transformers), ``same_tokens`` (both sides generated the same ids) and,
-        at batch 1, ``target_met`` (ratio >= 1.5).
+        (median); for pretune ``ratio`` (pretune / transformers), ``same_tokens`` (the same ids as transformers)
+        and, at batch 1, ``target_met`` (ratio >= 1.5); the same keys prefixed ``compiled_`` for
+        pretune-compiled, with ``compiled_first_seconds`` (median warm-up call, compiling included).
     """
     from tqdm import tqdm
 
@@ -133,6 +144,9 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
 
     if rounds < 1:
         raise ValueError(f"rounds ({rounds}) must be >= 1")
+    impls = tuple(impls)
+    if not impls or any(i not in IMPLS for i in impls) or len(set(impls)) != len(impls):
+        raise ValueError(f"impls ({impls}) must be distinct names from {IMPLS}")
     if new_tokens < 1 or prompt_len < 1:
         raise ValueError(f"prompt_len ({prompt_len}) and new_tokens ({new_tokens}) must be >= 1")
     if model is None:
@@ -162,11 +176,17 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
             runs = samples[(b, impl)]
             row[f"{impl}_runs"] = [round(r["tokens_per_s"], 2) for r in runs]
             row[f"{impl}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
-        if set(impls) == set(IMPLS):
-            row["ratio"] = row["pretune_tokens_per_s"] / row["transformers_tokens_per_s"]
-            row["same_tokens"] = samples[(b, "pretune")][0]["tokens"] == samples[(b, "transformers")][0]["tokens"]
+        for impl, key in OURS.items():
+            if impl not in impls:
+                continue
+            if impl == "pretune-compiled":
+                row["compiled_first_seconds"] = statistics.median(r["first_seconds"] for r in samples[(b, impl)])
+            if "transformers" not in impls:
+                continue
+            row[f"{key}ratio"] = row[f"{impl}_tokens_per_s"] / row["transformers_tokens_per_s"]
+            row[f"{key}same_tokens"] = samples[(b, impl)][0]["tokens"] == samples[(b, "transformers")][0]["tokens"]
             if b == 1:
-                row["target_met"] = bool(row["ratio"] >= TARGET_RATIO)
+                row[f"{key}target_met"] = bool(row[f"{key}ratio"] >= TARGET_RATIO)
         rows.append(row)
     return rows
 
@@ -177,21 +197,34 @@ def format_rows(rows: list[dict]) -> str:
     if not rows:
         return ""
     r0 = rows[0]
+    impls = [i for i in IMPLS if f"{i}_runs" in r0]
+    ours = [i for i in impls if i in OURS and "transformers" in impls]
     model = Path(r0["model"]).name
     lines = [f"greedy generation, {model}, fp32 CPU, {r0['threads']} threads: {r0['new_tokens']} new tokens after a "
              f"{r0['prompt_len']}-token prompt; tokens/s = batch x new tokens / seconds (fastest of "
-             f"{r0['repeats']} per process); ratio = pretune / HF (medians over {r0['rounds']} rounds)"]
-    head = f"{'batch':<7}{'round':<8}{'pretune tok/s':>14}{'HF tok/s':>10}{'ratio':>8}{'same tokens':>13}"
+             f"{r0['repeats']} per process); ratio = ours / HF (medians over {r0['rounds']} rounds)"]
+    names = {"pretune": "pretune", "pretune-compiled": "compiled", "transformers": "HF"}
+    head = (f"{'batch':<7}{'round':<8}" + "".join(f"{names[i] + ' tok/s':>16}" for i in impls)
+            + "".join(f"{names[i] + ' ratio':>16}" for i in ours))
     lines += [head, "-" * len(head)]
     for r in rows:
-        for i, (a, b) in enumerate(zip(r["pretune_runs"], r["transformers_runs"]), 1):
-            lines.append(f"{r['batch']:<7}{i:<8}{a:>14.1f}{b:>10.1f}{a / b:>8.2f}")
-        lines.append(f"{r['batch']:<7}{'median':<8}{r['pretune_tokens_per_s']:>14.1f}"
-                     f"{r['transformers_tokens_per_s']:>10.1f}{r['ratio']:>8.2f}{str(r['same_tokens']):>13}")
-        if "target_met" in r:
-            verdict = "met" if r["target_met"] else "NOT met"
-            lines.append(f"batch {r['batch']}: target (>= {TARGET_RATIO:g}x transformers' tokens/s): {verdict} "
-                         f"({r['ratio']:.2f}x)")
+        hf = r.get("transformers_runs")
+        for n in range(len(r[f"{impls[0]}_runs"])):
+            line = f"{r['batch']:<7}{n + 1:<8}" + "".join(f"{r[f'{i}_runs'][n]:>16.1f}" for i in impls)
+            lines.append(line + "".join(f"{r[f'{i}_runs'][n] / hf[n]:>16.2f}" for i in ours))
+        lines.append(f"{r['batch']:<7}{'median':<8}" + "".join(f"{r[f'{i}_tokens_per_s']:>16.1f}" for i in impls)
+                     + "".join(f"{r[OURS[i] + 'ratio']:>16.2f}" for i in ours))
+        for i in ours:
+            key = OURS[i]
+            same = "same tokens as transformers" if r[f"{key}same_tokens"] else "tokens DIFFER from transformers"
+            verdict = ""
+            if f"{key}target_met" in r:
+                verdict = (f"; target (>= {TARGET_RATIO:g}x transformers' tokens/s): "
+                           f"{'met' if r[f'{key}target_met'] else 'NOT met'} ({r[f'{key}ratio']:.2f}x)")
+            lines.append(f"batch {r['batch']} {i}: {same}{verdict}")
+        if "compiled_first_seconds" in r:
+            lines.append(f"batch {r['batch']} pretune-compiled: first call (compiling included) "
+                         f"{r['compiled_first_seconds']:.1f} s (median)")
     return "\n".join(lines)
 
 
@@ -212,6 +245,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row (default 32)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
     p.add_argument("--repeats", type=int, default=2, help="timed generations per process, fastest kept (default 2)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), metavar="IMPL",
+                   help=f"implementations to time (default: all of {', '.join(IMPLS)})")
 
 
 def run_cli(args) -> int:
@@ -220,7 +255,7 @@ def run_cli(args) -> int:
 
     rows = bench_generate(model=args.model, batches=tuple(args.batches), rounds=args.rounds,
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-                          threads=args.threads, echo=tqdm.write)
+                          threads=args.threads, impls=tuple(args.impls), echo=tqdm.write)
     from .bench import report
 
     return report(rows, format_rows(rows), args.json)

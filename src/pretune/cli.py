@@ -407,9 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
          "(+- 0.5 points)."),
         ("generate", "greedy decoding tokens/s (batch 1 and 8) vs transformers' generate",
          "Times greedy generation of 128 new tokens after a 32-token prompt with "
-         "SmolLM2-135M (fp32, CPU) by pretune's generate and transformers' generate (EOS ignored on "
-         "both sides), each run in its own process, alternating, and reports tokens/s, the ratio "
-         "and whether pretune is >= 1.5x faster at batch 1."),
+         "SmolLM2-135M (fp32, CPU) by pretune's generate (eager, and with compile=True) and "
+         "transformers' generate (EOS ignored on every side), each run in its own process, "
+         "alternating, and reports tokens/s, the ratios, the compiled side's first-call (compile) "
+         "time and whether pretune is >= 1.5x faster at batch 1."),
         ("peft", "LoRA step time and peak memory vs full finetuning and vs peft + transformers",
          "GPT-2 shape (6 layers, dim 512, batch 8 x 256): pretune full finetuning, "
          "pretune LoRA r=8 (q, k, v), transformers full finetuning and peft LoRA r=8 (c_attn), each "

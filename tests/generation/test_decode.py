@@ -327,6 +327,46 @@ def test_peft_models_generate_the_same_with_and_without_cache(method):
         cached = generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[], **kw)
         torch.testing.assert_close(cached, generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[],
                                                     use_cache=False, **kw), rtol=0, atol=0)
+        if "prompt" not in method:  # prefixes in front of a fixed-shape cache: the same tokens
+            torch.testing.assert_close(cached, generate(model, ids, mask, max_new_tokens=NEW, eos_token_id=[],
+                                                        static_cache=True, **kw), rtol=0, atol=0)
+    if "prompt" in method:
+        with pytest.raises(GenerationError, match="static_cache=True does not support prompt tuning"):
+            generate(model, ids, mask, static_cache=True)
+
+
+# ------------------------------------------------------------------------------------------------ compile=True
+def test_compiled_decoding_gives_the_eager_tokens_in_one_graph(pair):
+    """compile=True on Llama (RoPE, grouped-query attention): a left-padded batch greedily, then beam search
+    (another batch size: a second compiled graph in the same process); the same tokens as eager decoding, and
+    dynamo captured each step whole (a graph break would silently bring the per-op overhead back)."""
+    from torch._dynamo.utils import counters
+
+    hf, ours = pair["llama"]
+    ids, mask = _batch("llama")
+    counters.clear()
+    for kw in ({}, dict(num_beams=3, num_return_sequences=2)):
+        want = generate(ours, ids, mask, max_new_tokens=NEW, eos_token_id=[], **kw)
+        for _ in range(2):  # the second call reuses the compiled step
+            got = generate(ours, ids, mask, max_new_tokens=NEW, eos_token_id=[], compile=True, **kw)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] >= 2  # compiled, once per batch size
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    with pytest.raises(GenerationError, match="compile=True needs use_cache=True"):
+        generate(ours, ids, compile=True, use_cache=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_compiled_decoding_of_gpt2_and_t5_equals_transformers(pair, family):
+    """Learned positions (GPT-2); an encoder-decoder with relative position biases and cross-attention (T5)."""
+    hf, ours = pair[family]
+    ids, mask = _batch(family)
+    eos = _eos(hf, ids, mask, family)
+    for kw in ({}, dict(num_beams=4)):
+        kw = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=2, **kw)
+        got = generate(ours, ids, mask, compile=True, **kw)
+        torch.testing.assert_close(got, _hf_generate(hf, ids, mask, **kw), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------ KV cache
@@ -354,6 +394,28 @@ def test_kv_cache_writes_in_place_and_reorders():
     assert grow._k.shape[2] == 5
     grow.append(step, step)
     assert grow._k.shape[2] == 10
+
+
+def test_static_cache_writes_at_its_index_and_attends_over_its_capacity():
+    from pretune.model.attention import StaticKVCache, build_mask
+
+    key_mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
+    cache = StaticKVCache(8, key_mask=key_mask)
+    lc = cache.layer(0)
+    k = torch.randn(2, 3, 5, 4)
+    full_k, full_v = lc.append(k, k + 1)
+    assert full_k.shape == (2, 3, 8, 4) and torch.equal(full_k[:, :, :5], k) and not full_k[:, :, 5:].any()
+    cache.advance(5)
+    step = torch.randn(2, 3, 1, 4)
+    lc.append(step, step)
+    assert lc._k is full_k and torch.equal(full_k[:, :, 5:6], step) and cache.length == 5  # advance is the stack's
+    mask, is_causal = build_mask(q_len=1, k_len=8, q_offset=cache.index, causal=True, key_padding=cache.key_mask)
+    hidden = mask[:, 0, 0] < -1e30  # (B, 8): left padding and the columns after the newest token
+    assert not is_causal and hidden.tolist() == [[False] * 6 + [True] * 2, [True] * 2 + [False] * 4 + [True] * 2]
+    cache.reorder(torch.tensor([1, 1, 0]))
+    assert lc._k.shape == (3, 3, 8, 4) and torch.equal(cache.key_mask, key_mask[[1, 1, 0]].bool())
+    with pytest.raises(ValueError, match="key_mask must be"):
+        StaticKVCache(8, key_mask=torch.ones(2, 7))
 
 
 def test_kv_cache_keeps_autograd_intact():
@@ -417,6 +479,15 @@ def test_cli_streams_one_prompt(ckpt, capsys):
     assert out.endswith("\n") and len(out.strip()) > 0
 
 
+def test_cli_compile_prints_the_eager_text(ckpt, capsys):
+    args = ["generate", str(ckpt), "the cat", "the dog sat", "--max-new-tokens", "6"]
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main(args + ["--compile"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == eager and "--compile: the first batch" in captured.err
+
+
 def test_cli_batch_beams_stop_and_file(ckpt, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat\n\na bird in\n", encoding="utf-8")
@@ -462,6 +533,9 @@ def test_smollm2_greedy_equals_transformers():
         want = _hf_generate(hf, x, torch.ones_like(x), max_new_tokens=40)
         got = generate(ours, x, max_new_tokens=40, tokenizer=tok)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    x = torch.tensor([rows[0]])  # the compiled step: the same tokens
+    want = _hf_generate(hf, x, torch.ones_like(x), max_new_tokens=40)
+    torch.testing.assert_close(generate(ours, x, max_new_tokens=40, compile=True), want, rtol=0, atol=0)
     width = max(map(len, rows))  # the two plain prompts as one left-padded batch, and beam search
     x = torch.tensor([[tok.pad_id] * (width - len(r)) + r for r in rows])
     m = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])

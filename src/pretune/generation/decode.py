@@ -77,6 +77,7 @@ class Runner:
         self.length = self.prompt_len  # columns of ids in use
         self.fed = 0  # columns the cache has seen
         self.step = None  # the compiled decoding step (compile=True)
+        self.stepped = False  # whether it ran (with its guards checked) for this runner
         if static_cache or compile:  # fixed shapes: every step after the prompt is the same computation
             capacity = _static_capacity(self.prompt_len + max_new_tokens)
             key_mask = None
@@ -96,7 +97,10 @@ class Runner:
         x = self.ids[:, start: self.length]
         static = isinstance(self.cache, StaticKVCache)
         # the prompt runs eagerly (its own shape); every later step through the compiled step, if any
-        forward = self.step if self.step is not None and self.fed > 0 else _last_logits
+        forward = _last_logits
+        if self.step is not None and self.fed > 0:
+            forward = self._unguarded if self.stepped else self.step
+            self.stepped = True
         if self.enc_dec:
             if self.memory is None:
                 out = self.model(self.source, self.memory_mask, decoder_input_ids=x, past_key_values=self.cache,
@@ -114,6 +118,14 @@ class Runner:
                              use_cache=self.cache is not None, logits_to_keep=1)
         self.fed = self.length
         return logits.float()
+
+    def _unguarded(self, *args, **kwargs) -> torch.Tensor:
+        """The compiled step without re-checking torch.compile's guards (~1 ms per step on SmolLM2). Safe here:
+        this runner's first compiled step checked them all (and compiled if nothing matched), and every later
+        step passes the same model and the same kinds of tensors (shapes, dtypes and strides fixed by the static
+        cache; beam search's reorder keeps them)."""
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return self.step(*args, **kwargs)
 
     def append(self, tokens: torch.Tensor) -> None:
         """Add one token per row, (B,)."""
@@ -145,9 +157,10 @@ class Runner:
 
 
 def _static_capacity(n: int) -> int:
-    """Columns of a static cache for n tokens: rounded up to a multiple of 64, so that prompts and lengths
-    that differ a little share one compiled step (the extra masked columns cost next to nothing)."""
-    return -(-n // 64) * 64
+    """Columns of a static cache for n tokens: the next power of two, at least 64, so that prompts and lengths
+    that differ share one compiled step (a handful of capacities cover every length; the extra masked columns
+    cost little next to the weight reads of a decoding step)."""
+    return max(64, 1 << (n - 1).bit_length())
 
 
 def _last_logits(model, *args, **kwargs) -> torch.Tensor:
@@ -404,15 +417,16 @@ def generate(
         use_cache: reuse keys/values of past tokens (False: rerun the whole sequence every step; same tokens).
         streamer: called after every step with the new token ids (a list of one id) of a single sequence.
         decoder_start_token_id: encoder-decoders: the first decoder token (default: the model config's).
-        static_cache: keep keys/values in a cache of fixed shape (``StaticKVCache``: capacity prompt + max_new_tokens
-            rounded up to 64, every step attends over all of it with a mask) instead of the growing one; the
-            same tokens up to floating-point rounding. What ``compile`` decodes with; on its own, for checking it.
-        compile: decode with a fixed-shape key/value cache (``StaticKVCache``) and every step after the prompt
-            through ``torch.compile`` (inductor; on the CPU through its C++ wrapper, so a C++ compiler must be
-            installed). The first call per (model, batch size, prompt + max_new_tokens rounded up to 64) compiles
-            for tens of seconds (less once inductor's on-disk cache has the kernels); later steps cost little beyond
-            the weight reads. Worth it for long generations and repeated calls with the same shapes; the tokens are
-            those of the eager path up to floating-point rounding (attention over a masked fixed-size cache).
+        static_cache: keep keys/values in a cache of fixed shape (``StaticKVCache``: capacity prompt +
+            max_new_tokens rounded up to a power of two >= 64; every step attends over all of it with a mask)
+            instead of the growing one: the same tokens up to floating-point rounding. What ``compile`` decodes
+            with; on its own, for checking it.
+        compile: decode with the fixed-shape cache and every step after the prompt through ``torch.compile``
+            (inductor; on the CPU through its C++ wrapper, so a C++ compiler must be installed). The first call per
+            (model, batch size, capacity) compiles for about a minute on a 135M model (seconds once inductor's
+            on-disk cache has the kernels); later steps cost little beyond reading the weights. Worth it for long
+            generations and repeated calls with the same shapes; the tokens are those of the eager path up to
+            floating-point rounding.
 
     Returns:
         LongTensor: decoder-only (B * num_return_sequences, T + n) = prompt + new tokens; encoder-decoder
