@@ -356,6 +356,19 @@ def test_compiled_decoding_gives_the_eager_tokens_in_one_graph(pair):
         generate(ours, ids, compile=True, use_cache=False)
 
 
+def test_a_failing_compilation_is_a_clear_error(pair, monkeypatch):
+    from pretune.generation import decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\n(long traceback)")
+
+    monkeypatch.setattr(decode, "_compiled_step", lambda device: broken)
+    ids, mask = _batch("llama")
+    with pytest.raises(GenerationError, match=r"torch.compile failed \(RuntimeError: InvalidCxxCompiler: No working "
+                                              r"C\+\+ compiler found\); generate without compile"):
+        generate(pair["llama"][1], ids, mask, max_new_tokens=3, compile=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
 def test_compiled_decoding_of_gpt2_and_t5_equals_transformers(pair, family):

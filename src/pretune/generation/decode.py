@@ -99,7 +99,7 @@ class Runner:
         # the prompt runs eagerly (its own shape); every later step through the compiled step, if any
         forward = _last_logits
         if self.step is not None and self.fed > 0:
-            forward = self._unguarded if self.stepped else self.step
+            forward = self._unguarded if self.stepped else self._first_step
             self.stepped = True
         if self.enc_dec:
             if self.memory is None:
@@ -118,6 +118,15 @@ class Runner:
                              use_cache=self.cache is not None, logits_to_keep=1)
         self.fed = self.length
         return logits.float()
+
+    def _first_step(self, *args, **kwargs) -> torch.Tensor:
+        """The compiled step with its guards checked: compiles when no compiled graph fits these inputs."""
+        try:
+            return self.step(*args, **kwargs)
+        except Exception as e:  # e.g. no C++ compiler, or an operator inductor cannot lower
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise GenerationError(f"compile=True: torch.compile failed ({type(e).__name__}: {first}); generate "
+                                  "without compile (on the CPU inductor needs a C++ compiler such as g++)") from e
 
     def _unguarded(self, *args, **kwargs) -> torch.Tensor:
         """The compiled step without re-checking torch.compile's guards (~1 ms per step on SmolLM2). Safe here:
