@@ -8,6 +8,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)  # tiny test models run fastest (and least noisily) on one thread
 
 
+def _has_cxx() -> bool:
+    """Whether inductor finds a C++ compiler (torch.compile on the CPU needs one)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return bool(get_cpp_compiler())
+    except Exception:
+        return False
+
+
+# tests of generate(compile=True) / torch.compile on the CPU
+requires_cxx = pytest.mark.skipif(not _has_cxx(), reason="torch.compile on the CPU needs a C++ compiler (g++)")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

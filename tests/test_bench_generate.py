@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import requires_cxx
 from pretune import bench_generate as bg
 
 T = pytest.importorskip("transformers")
@@ -27,6 +28,7 @@ def _in_process(job, module):
     return bg.run_worker(job)
 
 
+@requires_cxx  # the pretune-compiled side
 @pytest.mark.parametrize("spawn", [_in_process, pytest.param(None, marks=pytest.mark.slow)])
 def test_bench_generate_tiny(tiny_llama, spawn):
     """Two rounds, batch 1 and 2: every side generates exactly new_tokens tokens per row (in this process, or
