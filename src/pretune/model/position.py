@@ -33,7 +33,8 @@ class NoPosition(nn.Module):
         return q, k
 
     def reserve(self, n: int) -> None:
-        """Make positions < n usable without growing anything later (before a compiled decoding step)."""
+        """Make positions < n usable without growing anything later (before a compiled decoding step). RoPE needs
+        nothing here: a static cache's forward asks ``rotation`` for tables of its whole capacity."""
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -60,9 +61,9 @@ class SinusoidalPositions(NoPosition):
             self.table = self._table(n).to(self.table.device)
 
     def add(self, x, positions):
-        if torch.compiler.is_compiling():  # no data-dependent branch in a compiled step: reserve() ran before
-            return x + self.table[positions].to(x.dtype)
-        if int(positions.max()) >= self.table.shape[0]:  # sinusoids extrapolate: grow the table
+        # sinusoids extrapolate: grow the table (not inside a compiled step, which cannot branch on values:
+        # reserve() ran before it)
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.table.shape[0]:
             self.table = self._table(int(positions.max()) + 1).to(self.table.device)
         return x + self.table[positions].to(x.dtype)
 
@@ -106,9 +107,6 @@ class RotaryPositions(NoPosition):
             angles = torch.cat([angles, angles], dim=-1)  # (n, d)
             self._cache = (n, angles.cos(), angles.sin())
         return self._cache[1], self._cache[2]
-
-    def reserve(self, n: int) -> None:
-        self._cos_sin(n, self.inv_freq.device)
 
     def rotate(self, q, k, positions):
         """q: (B, H, T, d), k: (B, Hkv, T, d), positions: (B, T) or (T,)."""

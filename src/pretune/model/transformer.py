@@ -106,8 +106,9 @@ class Stack(nn.Module):
             x, attention_mask, token_type_ids, position_ids, n_virtual = self.prompt(
                 x, attention_mask, token_type_ids, position_ids, past)
         B, T, _ = x.shape
+        new_cols = past + torch.arange(T, device=x.device) if static else torch.arange(past, past + T, device=x.device)
         if position_ids is None:
-            position_ids = past + torch.arange(T, device=x.device)  # (T,)
+            position_ids = new_cols  # (T,)
         if self.token_type is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros(B, T, dtype=torch.long, device=x.device)
@@ -122,8 +123,7 @@ class Stack(nn.Module):
         k_len = cache.capacity if static else past + T  # a static cache: attend over every column
         pos_bias = None
         if self.position.has_bias:
-            pos_bias = self.position.bias(past + torch.arange(T, device=x.device),
-                                          torch.arange(k_len, device=x.device))
+            pos_bias = self.position.bias(new_cols, torch.arange(k_len, device=x.device))
         if static:
             attention_mask = cache.key_mask
         elif attention_mask is not None and bool(attention_mask.all()):
