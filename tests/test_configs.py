@@ -80,7 +80,7 @@ def tiny_checkpoints(tokenizers_by_kind, tmp_path_factory) -> dict[str, Path]:
     from pretune.checkpoint import save
     from pretune.model import TransformerLM
     from pretune.presets import get_preset
-    from pretune.tokenize import Tokenizer
+    from pretune.tokenization import Tokenizer
 
     d = tmp_path_factory.mktemp("ckpts")
     out = {}

@@ -79,7 +79,7 @@ def test_block_size_above_max_positions(tmp_path, small_corpus, tokenizers_by_ki
 
 
 def test_span_without_sentinels_is_explained(tmp_path, small_corpus):
-    from pretune.tokenize import train_tokenizer
+    from pretune.tokenization import train_tokenizer
 
     tok = train_tokenizer([small_corpus], kind="wordpiece", vocab_size=400, sentinels=0, show_progress=False)
     path = tok.save(tmp_path / "tok.json")
@@ -118,7 +118,7 @@ def test_continue_pretraining_a_checkpoint_without_its_head(tmp_path, small_corp
 
     import pretune
     from pretune.pretrain import prepare
-    from pretune.tokenize import Tokenizer
+    from pretune.tokenization import Tokenizer
 
     tok = Tokenizer.load(tokenizers_by_kind["wordpiece"])
     body = pretune.build_model("tiny-bert-base", head="none", vocab_size=tok.vocab_size, max_seq_len=64)

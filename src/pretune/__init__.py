@@ -23,7 +23,7 @@ from .model import KVCache, ModelOutput, TransformerLM, count_parameters
 from .presets import PRESETS, get_preset, preset_names
 from .pretrain import pretrain
 from .runconfig import RunConfig, load_run_config
-from .tokenize import Tokenizer, load_tokenizer, train_tokenizer
+from .tokenization import Tokenizer, load_tokenizer, train_tokenizer
 
 __version__ = "0.1.0"
 

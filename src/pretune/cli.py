@@ -133,24 +133,24 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench_model, format_rows
+    from .bench.model import bench_model, format_rows
 
     rows = bench_model(families=args.models, dtypes=args.dtypes, rounds=args.rounds, steps=args.steps,
                        warmup=args.warmup, batch=args.batch, seq=args.seq, threads=args.threads,
                        dropout=args.dropout)
-    from .bench import report
+    from .bench.common import report
 
     return report(rows, format_rows(rows), args.json)
 
 
 def cmd_bench_pretrain(args) -> int:
-    from .bench_pretrain import run_cli
+    from .bench.pretrain import run_cli
 
     return run_cli(args)
 
 
 def cmd_tokenizer_train(args) -> int:
-    from .tokenize import train_tokenizer
+    from .tokenization import train_tokenizer
 
     lower = None if args.lowercase is None else args.lowercase == "yes"
     tok = train_tokenizer(args.files, kind=args.kind, vocab_size=args.vocab_size, specials=args.specials,
@@ -165,7 +165,7 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_tokenizer_encode(args) -> int:
-    from .tokenize import Tokenizer
+    from .tokenization import Tokenizer
 
     tok = Tokenizer.load(args.tokenizer)
     for text in args.texts:
@@ -196,7 +196,7 @@ def cmd_data_tokenize(args) -> int:
 
     from .data.readers import count_bytes, expand_sources, iter_documents
     from .data.store import build_store, store_stats
-    from .tokenize import Tokenizer, tokenizer_sha
+    from .tokenization import Tokenizer, tokenizer_sha
 
     tok = Tokenizer.load(args.tokenizer)
     paths = expand_sources(args.sources)
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("bench", help="benchmarks against the reference implementations")
-    from .bench import add_run_arguments
+    from .bench.common import add_run_arguments
 
     bsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
     b = bsub.add_parser("model", help="forward+backward tokens/s and MFU: pretune vs transformers",
@@ -394,11 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "BertForMaskedLM + DataCollatorForLanguageModeling on the same blocks of the bundled "
                         "corpus, each run in its own process, alternating; also times tokenizing the corpus "
                         "into a token store.")
-    from .bench_pretrain import add_arguments
+    from .bench.pretrain import add_arguments
 
     add_arguments(b)
     b.set_defaults(func=cmd_bench_pretrain)
-    for name, help_, description in (  # each bench_NAME module brings its flags and its run_cli
+    for name, help_, description in (  # each bench.NAME module brings its flags and its run_cli
         ("finetune", "finetuning MiniLM on sms_spam: wall time and test accuracy vs transformers",
          "Finetunes MiniLM (all-MiniLM-L6-v2) on sms_spam for one epoch with pretune "
          "finetune and with transformers' Trainer (same hyperparameters, each run in its own process, "
@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
          "run in its own process, alternating; reports the median step time (forward, backward, "
          "AdamW), peak RSS, and whether pretune's LoRA step is >= 1.15x faster than peft's."),
     ):
-        module = importlib.import_module(f"pretune.bench_{name}")
+        module = importlib.import_module(f"pretune.bench.{name}")
         b = bsub.add_parser(name, help=help_, description=description)
         module.add_arguments(b)
         b.set_defaults(func=module.run_cli)
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = overrides
     from .data.readers import DataError
     from .data.store import StoreError
-    from .tokenize import TokenizerError
+    from .tokenization import TokenizerError
     from .train.loop import TrainingDiverged
 
     try:

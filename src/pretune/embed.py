@@ -32,7 +32,7 @@ import torch
 
 from .config import ConfigError
 from .data.readers import DataError, iter_records
-from .tokenize import Tokenizer, TokenizerError
+from .tokenization import Tokenizer, TokenizerError
 
 __all__ = ["POOLINGS", "load_encoder", "embed_texts", "special_tokens", "cosine_matrix", "pairwise_cosine",
            "rank_pairs", "rank_all_pairs", "add_embed_parser", "cmd_embed"]
@@ -62,7 +62,7 @@ def load_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None
         device: where the model goes.
 
     Returns:
-        ``(model, tokenizer)``: the TransformerLM in eval mode and the :class:`~pretune.tokenize.Tokenizer`.
+        ``(model, tokenizer)``: the TransformerLM in eval mode and the :class:`~pretune.tokenization.Tokenizer`.
 
     Raises:
         ConfigError / CheckpointError / InteropError: the folder cannot be loaded (named);

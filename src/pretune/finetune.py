@@ -144,7 +144,7 @@ class FinetuneResult:
 def load_model_and_tokenizer(path: str | Path, tokenizer: str = ""):
     """A pretune checkpoint or Hugging Face folder, and the tokenizer saved with it (or ``tokenizer``)."""
     from .pretrain import _load_init
-    from .tokenize import Tokenizer
+    from .tokenization import Tokenizer
 
     p = Path(path)
     model = _load_init(str(p))
@@ -282,7 +282,7 @@ def _read(path: str, what: str, errors: str) -> list[Record]:
 def build_model_for_task(cfg: FinetuneConfig, task_cls, labels: list[str], *, log=print):
     """(model, tokenizer) with the task head: from model.init (pretrained or --from-scratch) or a preset."""
     from .model import TransformerLM
-    from .tokenize import Tokenizer
+    from .tokenization import Tokenizer
 
     head_cfg = task_cls.head_config(cfg.task, labels)
     init = cfg.model.get("init")

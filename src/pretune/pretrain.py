@@ -45,7 +45,7 @@ def build_token_store(cfg: RunConfig, tokenizer, sources: list[str], out_dir: Pa
     """Tokenize ``sources`` into a token store at ``out_dir`` (resumable; reused when already complete)."""
     from .data.readers import count_bytes, expand_sources, iter_documents
     from .data.store import build_store
-    from .tokenize import tokenizer_sha
+    from .tokenization import tokenizer_sha
 
     d = cfg.data
     paths = expand_sources(sources)
@@ -67,7 +67,7 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     from .data.packing import pack_blocks, split_index
     from .model import TransformerLM
     from .objectives import OBJECTIVES, build_objective
-    from .tokenize import Tokenizer
+    from .tokenization import Tokenizer
     from .train.dist import DistInfo, barrier
     from .train.loop import ExampleSet
 

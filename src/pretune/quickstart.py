@@ -147,7 +147,7 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
     from .finetune import finetune, load_finetune_config
     from .pretrain import pretrain
     from .runconfig import load_run_config
-    from .tokenize import train_tokenizer
+    from .tokenization import train_tokenizer
 
     plan = FAST if fast else FULL
     out = Path(out)

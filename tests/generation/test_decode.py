@@ -413,7 +413,8 @@ def test_kv_cache_writes_in_place_and_reorders():
 
 
 def test_static_cache_writes_at_its_index_and_attends_over_its_capacity():
-    from pretune.model.attention import StaticKVCache, build_mask
+    from pretune.model.attention import build_mask
+    from pretune.model.cache import StaticKVCache
 
     key_mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
     cache = StaticKVCache(8, key_mask=key_mask)
@@ -534,7 +535,7 @@ def test_cli_errors_are_messages(ckpt, capsys):
 def test_smollm2_greedy_equals_transformers():
     from pretune.generation.cli import prompt_ids
     from pretune.realmodels import smollm2_dir
-    from pretune.tokenize import Tokenizer
+    from pretune.tokenization import Tokenizer
 
     try:
         folder = smollm2_dir()

@@ -18,7 +18,7 @@ from pretune.data.store import build_store
 from pretune.objectives import IGNORE, build_objective, t5
 from pretune.objectives.encoder import Electra
 from pretune.runconfig import ObjectiveConfig, TrainConfig
-from pretune.tokenize import Tokenizer
+from pretune.tokenization import Tokenizer
 from pretune.train.loop import ExampleSet, Trainer
 
 MAX_SEQ_LEN = 64  # tiny models read at most 64 positions, so NSP/SOP pairs get truncated

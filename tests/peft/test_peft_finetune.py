@@ -13,7 +13,7 @@ from conftest import corpus_paragraphs
 from pretune.cli import main
 from pretune.config import ConfigError
 from pretune.finetune import evaluate, finetune, load_finetune_config
-from pretune.tokenize import Tokenizer
+from pretune.tokenization import Tokenizer
 
 
 def _write(path, rows):

@@ -19,7 +19,7 @@ from pretune.tasks import TaskConfig, build_task
 from pretune.tasks.base import Layout, Record
 from pretune.tasks.classify import Classification, Pair, Regression
 from pretune.tasks.tagging import Tagging
-from pretune.tokenize import Tokenizer
+from pretune.tokenization import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -219,7 +219,7 @@ def t5_checkpoint(path: Path, tokenizer: str) -> Path:
     from pretune.checkpoint import save
     from pretune.model import TransformerLM
     from pretune.presets import get_preset
-    from pretune.tokenize import Tokenizer
+    from pretune.tokenization import Tokenizer
 
     tok = Tokenizer.load(tokenizer)
     cfg = get_preset("tiny-t5-small", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id,

@@ -27,7 +27,7 @@ import torch
 
 from ..config import ConfigError
 from ..model import KVCache
-from ..model.attention import StaticKVCache
+from ..model.cache import StaticKVCache
 from .beam import beam_search
 
 __all__ = ["generate", "GenerationError"]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.readers import DataError
-from ..model.attention import KVCache
+from ..model.cache import KVCache
 from ..tasks.base import Record
 from .prompt import ChatTemplate, FewShotPrompt, PromptError, SelfConsistency, Verbalizer, apply_chat_template
 from .prompt import self_consistency as _vote_paths

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import TASK_HEADS, ModelConfig
-from .attention import KVCache
+from .cache import KVCache
 from .heads import HEADS, Pooler
 from .transformer import Transformer
 

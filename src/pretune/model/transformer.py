@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import Attention, KVCache, build_mask
+from .attention import Attention, build_mask
+from .cache import KVCache
 from .layers import Dropout, FeedForward, make_norm
 from .position import POSITIONS
 

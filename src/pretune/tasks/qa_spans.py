@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..data.readers import DataError
-from ..tokenize import Tokenizer
+from ..tokenization import Tokenizer
 
 __all__ = ["LAYOUTS", "best_span", "decode_answer", "find_answer", "qa_features", "top_spans"]
 

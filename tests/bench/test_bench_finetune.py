@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pretune import bench_finetune as bf
+from pretune.bench import finetune as bf
 
-SMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tasks" / "sms_spam"
+SMS = Path(__file__).resolve().parents[3] / "shared" / "data" / "tasks" / "sms_spam"
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pretune import bench_pretrain as bp
+from pretune.bench import pretrain as bp
 
 TINY = dict(n_layers=1, dim=64, n_heads=4, ffn_dim=128, vocab_size=30522)  # vocab: the MiniLM tokenizer's
 

@@ -2,7 +2,7 @@
 against ``peft`` + transformers on the same model and data.
 
 Four implementations, each measurement in its own Python process, alternating, several rounds (the
-pattern of :mod:`pretune.bench`):
+pattern of :mod:`pretune.bench.model`):
 
 * pretune-full: every weight of ``build_model("gpt2", 6 layers, dim 512, ...)`` trains;
 * pretune-lora: ``pretune.peft`` LoRA r=8 on the attention q, k and v projections, the rest frozen;
@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .bench import add_run_arguments, spawn_worker
+from .common import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune-full", "pretune-lora", "hf-full", "peft-lora")
 SHAPE = dict(n_layers=6, dim=512, n_heads=8, ffn_dim=2048, vocab_size=8192)
@@ -48,11 +48,11 @@ def _build(job: Job):
 
     max_len = max(512, job.seq)
     if job.impl.startswith("pretune"):
-        from . import build_model
+        from .. import build_model
 
         model = build_model("gpt2", **SHAPE, max_seq_len=max_len, dropout=job.dropout, attn_dropout=job.dropout)
         if job.impl == "pretune-lora":
-            from . import peft
+            from .. import peft
 
             peft.inject(model, peft.PeftConfig(method="lora", r=job.r, alpha=2 * job.r,
                                                targets=["q_proj", "k_proj", "v_proj"]))
@@ -85,7 +85,7 @@ def run_worker(job: Job) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     if job.impl.startswith("pretune"):
-        from .objectives import causal_lm_loss
+        from ..objectives import causal_lm_loss
 
         def loss_fn():
             return causal_lm_loss(model, ids)
@@ -123,7 +123,7 @@ def bench_peft(*, dtypes=("fp32", "bf16"), rounds: int = 3, impls=IMPLS, echo=pr
             plan += [Job(impl, dt, **job_kw) for impl in order]
     samples: dict[tuple, list[dict]] = {}
     for job in tqdm(plan, desc="bench peft", unit="run"):
-        samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench_peft"))
+        samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.peft"))
     rows = []
     for dt in dtypes:
         row = {"bench": "peft", "dtype": dt, **job_kw}
@@ -175,17 +175,17 @@ def run_cli(args) -> int:
 
     rows = bench_peft(dtypes=tuple(args.dtypes), rounds=args.rounds, echo=tqdm.write, batch=args.batch,
                       seq=args.seq, r=args.r, steps=args.steps, warmup=args.warmup, threads=args.threads)
-    from .bench import report
+    from .common import report
 
     return report(rows, format_rows(rows), args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import bench_main
+    from .common import bench_main
 
     return bench_main(argv, prog="pretune bench peft", doc=__doc__, job_cls=Job, run_worker=run_worker,
                       add_arguments=add_arguments, run_cli=run_cli)
 
 
-if __name__ == "__main__":  # python -m pretune.bench_peft '{"impl": ...}' (worker) or flags (stand-alone)
+if __name__ == "__main__":  # python -m pretune.bench.peft '{"impl": ...}' (worker) or flags (stand-alone)
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pretune.bench_peft import IMPLS, Job, format_rows, run_worker
+from pretune.bench.peft import IMPLS, Job, format_rows, run_worker
 
 
 @pytest.mark.parametrize("impl, trainable", [("pretune-lora", 6 * 3 * (8 * 512 + 512 * 8)),

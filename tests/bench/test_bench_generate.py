@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import requires_cxx
-from pretune import bench_generate as bg
+from pretune.bench import generate as bg
 
 T = pytest.importorskip("transformers")
 
@@ -24,7 +24,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def _in_process(job, module):
-    assert module == "pretune.bench_generate"
+    assert module == "pretune.bench.generate"
     return bg.run_worker(job)
 
 
@@ -102,4 +102,4 @@ def test_cli_flags():
     args = build_parser().parse_args(["bench", "generate", "--batches", "1", "--rounds", "1", "--new-tokens", "16",
                                       "--json", "out.json"])
     assert (args.batches, args.rounds, args.new_tokens, args.prompt_len, args.json) == ([1], 1, 16, 32, "out.json")
-    assert args.func is bg.run_cli and Path(bg.__file__).name == "bench_generate.py"
+    assert args.func is bg.run_cli and Path(bg.__file__).name == "generate.py" and Path(bg.__file__).parent.name == "bench"

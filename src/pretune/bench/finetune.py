@@ -1,6 +1,6 @@
 """``pretune bench finetune``: finetuning MiniLM on sms_spam, pretune vs transformers' ``Trainer``.
 
-Each run is one Python process (:func:`pretune.bench.spawn_worker`); the two implementations alternate
+Each run is one Python process (:func:`pretune.bench.common.spawn_worker`); the two implementations alternate
 which goes first, for several rounds. Both sides get the same model (sentence-transformers/all-MiniLM-L6-v2,
 ``pretune.realmodels.minilm_dir()``), the same records and the same hyperparameters:
 
@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench import add_run_arguments, spawn_worker
+from .common import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune", "transformers")
 DEFAULT_DATA = Path(__file__).resolve().parent / "bundled" / "tasks" / "sms_spam"  # train/dev/test, shipped whole
@@ -93,7 +93,7 @@ def _peak_rss_mb() -> float:
 def _run_pretune(job: Job, run_dir: str) -> dict:
     from omegaconf import OmegaConf
 
-    from .finetune import finetune, load_finetune_config
+    from ..finetune import finetune, load_finetune_config
 
     base = {
         "model": {"init": job.model},
@@ -119,8 +119,8 @@ def _run_transformers(job: Job, run_dir: str) -> dict:
     import torch
     import transformers as T
 
-    from .tasks.base import TaskConfig, read_records
-    from .tasks.classify import Classification, _label_str
+    from ..tasks.base import TaskConfig, read_records
+    from ..tasks.classify import Classification, _label_str
 
     tcfg = TaskConfig()
     recs = {split: read_records(getattr(job, split)) for split in ("train", "dev", "test")}
@@ -183,7 +183,7 @@ def run_worker(job: Job) -> dict:
     with tempfile.TemporaryDirectory(prefix="pretune-bench-finetune-") as run_dir:
         run = _run_pretune if job.impl == "pretune" else _run_transformers
         out = run(job, run_dir)
-    from .tasks.base import read_records
+    from ..tasks.base import read_records
 
     return {**out, "n_train": len(read_records(job.train)), "peak_rss_mb": _peak_rss_mb(),
             "threads": torch.get_num_threads()}
@@ -204,7 +204,7 @@ def _split_file(folder: Path, split: str) -> Path:
 
 def _limited(train: Path, limit: int, out_dir: Path) -> Path:
     """The first ``limit`` training records as JSONL in ``out_dir``."""
-    from .tasks.base import read_records
+    from ..tasks.base import read_records
 
     recs = read_records(train)[:limit]
     out = out_dir / "train.jsonl"
@@ -251,7 +251,7 @@ def bench_finetune(*, data=None, model=None, dtypes=("fp32",), rounds: int = 3, 
     if limit and limit < batch:
         raise ValueError(f"limit ({limit}) must be at least one batch ({batch})")
     if model is None:
-        from .realmodels import minilm_dir
+        from ..realmodels import minilm_dir
 
         model = minilm_dir()
     folder = Path(data) if data is not None else DEFAULT_DATA
@@ -272,7 +272,7 @@ def bench_finetune(*, data=None, model=None, dtypes=("fp32",), rounds: int = 3, 
                                     epochs=epochs, batch=batch, lr=lr, warmup_ratio=warmup_ratio,
                                     weight_decay=weight_decay, max_len=max_len, seed=seed, threads=threads))
         for job in tqdm(plan, desc="bench finetune", unit="run", disable=not show_progress):
-            res = spawn_worker(job, "pretune.bench_finetune")
+            res = spawn_worker(job, "pretune.bench.finetune")
             samples.setdefault((job.dtype, job.impl), []).append(res)
             if echo is not None:
                 echo(f"{job.dtype} {job.impl}: {res['seconds']:.1f} s, test accuracy {res['test_accuracy']:.4f}")
@@ -338,9 +338,9 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m pretune.bench_finetune [--rounds 3 ...]``; with one JSON argument,
+    """Stand-alone entry: ``python -m pretune.bench.finetune [--rounds 3 ...]``; with one JSON argument,
     the worker: run that :class:`Job` and print its result as JSON."""
-    from .bench import bench_main
+    from .common import bench_main
 
     return bench_main(argv, prog="pretune bench finetune", doc=__doc__, job_cls=Job, run_worker=run_worker,
                       add_arguments=add_arguments, run_cli=run_cli)
@@ -366,10 +366,10 @@ def run_cli(args) -> int:
 
     rows = bench_finetune(data=args.data, dtypes=tuple(args.dtypes), rounds=args.rounds, limit=args.limit,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, threads=args.threads, echo=tqdm.write)
-    from .bench import report
+    from .common import report
 
     return report(rows, format_rows(rows), args.json)
 
 
-if __name__ == "__main__":  # python -m pretune.bench_finetune '{"impl": ...}' (worker) or flags (stand-alone)
+if __name__ == "__main__":  # python -m pretune.bench.finetune '{"impl": ...}' (worker) or flags (stand-alone)
     sys.exit(main())

@@ -14,7 +14,7 @@ compared token for token (``same_tokens``).
 * transformers: ``AutoModelForCausalLM.from_pretrained(folder, dtype=float32)`` (its default attention, SDPA)
   and ``model.generate(..., do_sample=False, num_beams=1)``.
 
-Each measurement is one Python process (:func:`pretune.bench.spawn_worker`); the implementations alternate
+Each measurement is one Python process (:func:`pretune.bench.common.spawn_worker`); the implementations alternate
 which goes first, for ``rounds`` rounds. In a process: one untimed warm-up generation of 8 tokens, then
 ``repeats`` timed generations (``time.perf_counter`` around the ``generate`` call: prefill + every decoding
 step); the process reports its fastest. Tokens/s = batch * new_tokens / seconds; the table gives the median
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench import add_run_arguments, spawn_worker
+from .common import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune", "pretune-compiled", "transformers")
 OURS = {"pretune": "", "pretune-compiled": "compiled_"}  # our implementations -> prefix of their row keys
@@ -56,8 +56,8 @@ def _load(job: Job):
     import torch
 
     if job.impl in OURS:
-        from . import from_hf
-        from .generation import generate
+        from .. import from_hf
+        from ..generation import generate
 
         model = from_hf(job.model)
         compile = job.impl == "pretune-compiled"
@@ -87,7 +87,7 @@ def run_worker(job: Job) -> dict:
     """
     import torch
 
-    from .bench_finetune import default_threads
+    from .finetune import default_threads
 
     if job.impl not in IMPLS:
         raise ValueError(f"impl ({job.impl!r}) must be one of {IMPLS}")
@@ -140,7 +140,7 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
     """
     from tqdm import tqdm
 
-    from .bench_finetune import default_threads
+    from .finetune import default_threads
 
     if rounds < 1:
         raise ValueError(f"rounds ({rounds}) must be >= 1")
@@ -150,7 +150,7 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
     if new_tokens < 1 or prompt_len < 1:
         raise ValueError(f"prompt_len ({prompt_len}) and new_tokens ({new_tokens}) must be >= 1")
     if model is None:
-        from .realmodels import smollm2_dir
+        from ..realmodels import smollm2_dir
 
         model = smollm2_dir()
     if not (Path(model) / "config.json").is_file():
@@ -164,7 +164,7 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
                          threads=threads, seed=seed) for impl in order]
     samples: dict[tuple, list[dict]] = {}
     for job in tqdm(plan, desc="bench generate", unit="run", disable=not show_progress):
-        res = spawn(job, "pretune.bench_generate")
+        res = spawn(job, "pretune.bench.generate")
         samples.setdefault((job.batch, job.impl), []).append(res)
         if echo is not None:
             echo(f"batch {job.batch} {job.impl}: {res['tokens_per_s']:.1f} tokens/s")
@@ -229,9 +229,9 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m pretune.bench_generate [--rounds 3 ...]``; with one JSON argument, the
+    """Stand-alone entry: ``python -m pretune.bench.generate [--rounds 3 ...]``; with one JSON argument, the
     worker: run that :class:`Job` and print its result as JSON."""
-    from .bench import bench_main
+    from .common import bench_main
 
     return bench_main(argv, prog="pretune bench generate", doc=__doc__, job_cls=Job, run_worker=run_worker,
                       add_arguments=add_arguments, run_cli=run_cli)
@@ -256,10 +256,10 @@ def run_cli(args) -> int:
     rows = bench_generate(model=args.model, batches=tuple(args.batches), rounds=args.rounds,
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                           threads=args.threads, impls=tuple(args.impls), echo=tqdm.write)
-    from .bench import report
+    from .common import report
 
     return report(rows, format_rows(rows), args.json)
 
 
-if __name__ == "__main__":  # python -m pretune.bench_generate '{"impl": ...}' (worker) or flags (stand-alone)
+if __name__ == "__main__":  # python -m pretune.bench.generate '{"impl": ...}' (worker) or flags (stand-alone)
     sys.exit(main())

@@ -9,12 +9,10 @@ as a fraction of a matmul peak measured in the same run (MFU).
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 SHAPES = {  # the benchmark models of the model-core issue: 6 layers, dim 512, 8 heads, vocab 8192
     "gpt": dict(n_layers=6, dim=512, n_heads=8, ffn_dim=2048, vocab_size=8192),
@@ -44,7 +42,7 @@ def _build(job: Job):
     shape = SHAPES[job.family]
     max_len = max(512, job.seq)
     if job.impl == "pretune":
-        from . import build_model
+        from .. import build_model
 
         preset = "gpt2" if job.family == "gpt" else "bert-base"
         model = build_model(preset, **shape, max_seq_len=max_len, dropout=job.dropout, attn_dropout=job.dropout)
@@ -75,7 +73,7 @@ def _build(job: Job):
 
 def _step_fn(job: Job, model, ids, labels):
     if job.impl == "pretune":
-        from .objectives import causal_lm_loss, masked_lm_loss
+        from ..objectives import causal_lm_loss, masked_lm_loss
 
         if job.family == "gpt":
             return lambda: causal_lm_loss(model, ids)
@@ -148,23 +146,14 @@ def _matmul_peak(job: Job) -> dict:
 # ---------------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------------
-def spawn_worker(job, module: str = "pretune.bench") -> dict:
-    """Run ``python -m module JOB_JSON`` in a fresh process (one measurement per process, so two models
-    never share an allocator) and return the JSON dict it prints last."""
-    cmd = [sys.executable, "-m", module, json.dumps(asdict(job))]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark worker failed for {job}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: int = 3, steps: int = 10,
                 warmup: int = 3, batch: int = 8, seq: int = 256, threads: int = 0, dropout: float = 0.1,
                 impls=("pretune", "transformers"), echo=print) -> list[dict]:
     """Alternate pretune and transformers, one process per measurement, ``rounds`` times each;
     return one row per (family, dtype) with median tokens/s, ratio and MFU."""
     from tqdm import tqdm
+
+    from .common import spawn_worker
 
     peaks: dict[str, list[float]] = {d: [] for d in dtypes}
     samples: dict[tuple, list[dict]] = {}
@@ -178,7 +167,7 @@ def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: in
                     plan.append(Job(impl, fam, dt, batch=batch, seq=seq, steps=steps, warmup=warmup,
                                     threads=threads, dropout=dropout))
     for job in tqdm(plan, desc="bench model", unit="run"):
-        res = spawn_worker(job)
+        res = spawn_worker(job, "pretune.bench.model")
         if job.impl == "matmul":
             peaks[job.dtype].append(res["flops_per_s"])
         else:
@@ -211,38 +200,8 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # worker entry point: python -m pretune.bench '{"impl": ...}'
+if __name__ == "__main__":  # worker entry point: python -m pretune.bench.model '{"impl": ...}'
     result = run_worker(Job(**json.loads(sys.argv[1])))
     print(json.dumps(result))
 
 
-def add_run_arguments(p, *, threads: str = "every core") -> None:
-    """The flags every ``pretune bench`` subcommand has: --rounds, --threads, --json."""
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    p.add_argument("--threads", type=int, default=0, help=f"torch threads of every run (default 0: {threads})")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-
-
-def report(rows: list[dict], table: str, json_path: str | None) -> int:
-    """Print a benchmark's table and, with ``json_path``, write its rows as JSON (every ``bench`` command)."""
-    print(table)
-    if json_path:
-        from pathlib import Path
-
-        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {json_path}")
-    return 0
-
-
-def bench_main(argv, *, prog: str, doc: str, job_cls, run_worker, add_arguments, run_cli) -> int:
-    """Entry of a benchmark module: with one JSON argument it is the worker (run that job, print its
-    result as JSON, read back by :func:`spawn_worker`); otherwise the command line ``prog``."""
-    import argparse
-
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].startswith("{"):
-        print(json.dumps(run_worker(job_cls(**json.loads(argv[0])))))
-        return 0
-    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    add_arguments(p)
-    return run_cli(p.parse_args(argv))

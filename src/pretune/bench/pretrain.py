@@ -2,7 +2,7 @@
 
 The parent tokenizes the corpus once into a token store (timed: the tokenize-to-store MB/s), packs it
 into ``[CLS] block [SEP]`` examples of ``seq`` tokens and starts one Python process per measurement,
-alternating the implementations for several rounds (the pattern of :mod:`pretune.bench`):
+alternating the implementations for several rounds (the pattern of :mod:`pretune.bench.model`):
 
 * pretune: the real pretraining loop, ``Trainer.train_step()`` (batch plan, dynamic MLM masking and
   collation, forward, loss on the masked positions, backward, clipping, AdamW, schedule) of
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .bench import add_run_arguments, spawn_worker
+from .common import add_run_arguments, spawn_worker
 
 if TYPE_CHECKING:
     import torch
@@ -72,8 +72,8 @@ class Job:
 # ---------------------------------------------------------------------------------------------
 def open_blocks(store: str | os.PathLike, *, seq: int, sep_id: int):
     """The store's FULL-SENTENCES blocks of ``seq - 2`` tokens (room for [CLS] and [SEP])."""
-    from .data.packing import pack_blocks
-    from .data.store import TokenStore
+    from ..data.packing import pack_blocks
+    from ..data.store import TokenStore
 
     return pack_blocks(TokenStore.open(store), block_size=seq - 2, mode="full", doc_sep_id=sep_id)
 
@@ -89,7 +89,7 @@ def _n_examples(job: Job, n_blocks: int) -> int:
 
 def _batch_ids(n: int, *, batch: int, seed: int):
     """The example ids of each step, epoch after epoch: the plan ``Trainer`` follows (no bucketing)."""
-    from .data.packing import batch_plan
+    from ..data.packing import batch_plan
 
     ids = np.arange(n, dtype=np.int64)
     epoch = 0
@@ -114,11 +114,11 @@ class _PretuneRun:
     """Our pretraining loop: a Trainer over the first blocks of the store; one call = train_step()."""
 
     def __init__(self, job: Job, run_dir: str, record: list | None):
-        from . import build_model
-        from .objectives import build_objective
-        from .runconfig import ObjectiveConfig, TrainConfig
-        from .tokenize import Tokenizer
-        from .train.loop import ExampleSet, Trainer
+        from .. import build_model
+        from ..objectives import build_objective
+        from ..runconfig import ObjectiveConfig, TrainConfig
+        from ..tokenization import Tokenizer
+        from ..train.loop import ExampleSet, Trainer
 
         tok = Tokenizer.load(job.tokenizer)
         blocks = open_blocks(job.store, seq=job.seq, sep_id=tok.sep_id)
@@ -155,7 +155,7 @@ class _TransformersRun:
         import torch
         import transformers as T
 
-        from .tokenize import Tokenizer
+        from ..tokenization import Tokenizer
 
         tok = Tokenizer.load(job.tokenizer)  # the store's ids; only [CLS]/[SEP] are needed here
         hf_tok = T.AutoTokenizer.from_pretrained(job.tokenizer)
@@ -253,9 +253,9 @@ def build_bench_store(sources, tokenizer_dir, cache_dir, *, fresh: bool = True, 
         path, text_bytes (UTF-8 bytes handed to the tokenizer), file_bytes (on disk, compressed for .gz),
         seconds, mb_per_s (text MB / s), tokens, tokens_per_s, docs, files, cached.
     """
-    from .data.readers import count_bytes, expand_sources, iter_documents
-    from .data.store import build_store
-    from .tokenize import Tokenizer, tokenizer_sha
+    from ..data.readers import count_bytes, expand_sources, iter_documents
+    from ..data.store import build_store
+    from ..tokenization import Tokenizer, tokenizer_sha
 
     tok = Tokenizer.load(tokenizer_dir)
     paths = expand_sources(sources)
@@ -303,7 +303,7 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
     if seq < 4:
         raise ValueError(f"seq ({seq}) must be >= 4 ([CLS] + at least 2 tokens + [SEP])")
     if tokenizer is None:
-        from .realmodels import minilm_dir
+        from ..realmodels import minilm_dir
 
         tokenizer = minilm_dir()
     if corpus is None:
@@ -322,7 +322,7 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
                                 steps=steps, warmup=warmup, threads=threads, dropout=dropout, shape=shape))
     samples: dict[tuple, list[dict]] = {}
     for job in tqdm(plan, desc="bench pretrain", unit="run", disable=not show_progress):
-        samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench_pretrain"))
+        samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.pretrain"))
     rows = [tok_row]
     for dt in dtypes:
         row = {"bench": "mlm", "dtype": dt, "seq": seq, "batch": batch, "steps": steps, **shape}
@@ -373,9 +373,9 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m pretune.bench_pretrain [--rounds 3 ...]``; with one JSON argument,
+    """Stand-alone entry: ``python -m pretune.bench.pretrain [--rounds 3 ...]``; with one JSON argument,
     the worker: run that :class:`Job` and print its result as JSON."""
-    from .bench import bench_main
+    from .common import bench_main
 
     return bench_main(argv, prog="pretune bench pretrain", doc=__doc__, job_cls=Job, run_worker=run_worker,
                       add_arguments=add_arguments, run_cli=run_cli)
@@ -401,10 +401,10 @@ def run_cli(args) -> int:
     rows = bench_pretrain(corpus=args.corpus, cache_dir=args.cache_dir, dtypes=tuple(args.dtypes),
                           rounds=args.rounds, steps=args.steps, warmup=args.warmup, batch=args.batch, seq=args.seq,
                           threads=args.threads, fresh_store=not args.reuse_store)
-    from .bench import report
+    from .common import report
 
     return report(rows, format_rows(rows), args.json)
 
 
-if __name__ == "__main__":  # python -m pretune.bench_pretrain '{"impl": ...}' (worker) or flags (stand-alone)
+if __name__ == "__main__":  # python -m pretune.bench.pretrain '{"impl": ...}' (worker) or flags (stand-alone)
     sys.exit(main())
