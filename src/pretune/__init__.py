@@ -4,45 +4,62 @@ Public API::
 
     model = pretune.build_model("tiny-gpt2", dropout=0.0)   # preset name or ModelConfig
     out = model(input_ids, attention_mask=mask)              # .logits, .last_hidden_state
-    pretune.save(model, "ckpt/"); model = pretune.load("ckpt/")
+    pretune.save(model, "ckpt/"); model = pretune.load("ckpt/")  # load: any model folder (pretune, HF, adapter)
+    loaded = pretune.load_pretrained("runs/ft/model")        # .model, .tokenizer, .task, .kind
     model = pretune.from_hf("hf_folder/"); pretune.to_hf(model, "exported/")
+    ids = pretune.generate(model, prompt_ids, max_new_tokens=20)
 
     tok = pretune.train_tokenizer(["corpus.txt.gz"], kind="wordpiece", vocab_size=8000); tok.save("tok.json")
     cfg = pretune.load_run_config("configs/pretrain/bert-mlm.yaml", ["tokenizer=tok.json", "data.train=[c.txt]"])
     result = pretune.pretrain(cfg)                            # result.model_dir: the finetunable checkpoint
+
+Names are imported on first use, so ``import pretune`` (and ``pretune --help``) does not import torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from .checkpoint import CheckpointError, load, save
-from .config import ConfigError, ModelConfig
-from .interop import InteropError, from_hf, to_hf
-from .model import KVCache, ModelOutput, TransformerLM, count_parameters
-from .presets import PRESETS, get_preset, preset_names
-from .pretrain import pretrain
-from .runconfig import RunConfig, load_run_config
-from .tokenization import Tokenizer, load_tokenizer, train_tokenizer
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+_EXPORTS = {  # public name -> the module that defines it
+    "build_model": "pretune.model", "TransformerLM": "pretune.model", "ModelOutput": "pretune.model",
+    "KVCache": "pretune.model", "count_parameters": "pretune.model",
+    "load": "pretune.loading", "load_pretrained": "pretune.loading", "Pretrained": "pretune.loading",
+    "save": "pretune.checkpoint", "CheckpointError": "pretune.checkpoint",
+    "ConfigError": "pretune.config", "ModelConfig": "pretune.config",
+    "from_hf": "pretune.interop", "to_hf": "pretune.interop", "InteropError": "pretune.interop",
+    "PRESETS": "pretune.presets", "get_preset": "pretune.presets", "preset_names": "pretune.presets",
+    "pretrain": "pretune.pretrain", "load_run_config": "pretune.runconfig", "RunConfig": "pretune.runconfig",
+    "Tokenizer": "pretune.tokenization", "load_tokenizer": "pretune.tokenization",
+    "train_tokenizer": "pretune.tokenization", "generate": "pretune.generation",
+}
 
-def build_model(config: "ModelConfig | str", **overrides: Any) -> TransformerLM:
-    """A freshly initialised model from a preset name (``"bert-base"``, ``"tiny-llama"``, ...) or a
-    ModelConfig, with optional field overrides (``dropout=0.0``). Unknown keys raise ConfigError."""
-    if isinstance(config, str):
-        cfg = get_preset(config, **overrides)
-    elif isinstance(config, ModelConfig):
-        cfg = config.replace(**overrides) if overrides else config
-    else:
-        raise TypeError(f"build_model expects a preset name or ModelConfig, got {type(config).__name__}")
-    return TransformerLM(cfg)
+__all__ = ["__version__", *_EXPORTS]
 
 
-__all__ = [
-    "build_model", "load", "save", "from_hf", "to_hf", "ModelConfig", "ModelOutput", "TransformerLM",
-    "KVCache", "count_parameters", "get_preset", "preset_names", "PRESETS", "ConfigError",
-    "CheckpointError", "InteropError", "__version__", "pretrain", "RunConfig", "load_run_config", "Tokenizer",
-    "load_tokenizer", "train_tokenizer",
-]
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pretune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from .checkpoint import CheckpointError, save
+    from .config import ConfigError, ModelConfig
+    from .generation import generate
+    from .interop import InteropError, from_hf, to_hf
+    from .loading import Pretrained, load, load_pretrained
+    from .model import KVCache, ModelOutput, TransformerLM, build_model, count_parameters
+    from .presets import PRESETS, get_preset, preset_names
+    from .pretrain import pretrain
+    from .runconfig import RunConfig, load_run_config
+    from .tokenization import Tokenizer, load_tokenizer, train_tokenizer

@@ -54,19 +54,14 @@ OVERRIDE = re.compile(r"^-{0,2}[A-Za-z_]\w*\.[\w.]+=")  # a `section.key=value` 
 
 
 def _load_any(spec: str):
-    """A preset name, a pretune checkpoint folder, or a Hugging Face folder -> (config, model or None)."""
-    from . import PRESETS, from_hf, get_preset, load
-    from .interop import read_hf_config
+    """A preset name, or any model folder (pretune, Hugging Face, adapter) -> (config, model or None)."""
+    from .loading import load
+    from .presets import PRESETS, get_preset
 
-    path = Path(spec)
     if spec in PRESETS:
         return get_preset(spec), None
-    if path.is_dir():
-        # both formats keep a config.json; only Hugging Face's names a model_type
-        if (path / "config.json").is_file() and "model_type" in read_hf_config(path):
-            model = from_hf(path)
-            return model.config, model
-        model = load(path)
+    if Path(spec).is_dir():
+        model = load(spec)
         return model.config, model
     from .config import ConfigError, _did_you_mean
     from .presets import preset_names
@@ -113,21 +108,34 @@ def cmd_show(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from . import from_hf, load, save, to_hf
-    from .interop import TOKENIZER_FILES
+    from .checkpoint import save
+    from .interop import TOKENIZER_FILES, to_hf
+    from .loading import folder_kind, load
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise SystemExit("pretune convert: give exactly one of --from-hf DIR or --to-hf DIR")
     if args.from_hf:
         src = Path(args.from_hf)
-        model = from_hf(src)
+        kind = folder_kind(src)
+        if kind != "transformers":
+            from .interop import InteropError
+
+            raise InteropError(f"{src} is a {kind} folder, not a Hugging Face one (its config.json names no "
+                               "model_type); --to-hf exports a pretune checkpoint")
+        model = load(src)
         tok = src / "tokenizer.json"
         save(model, args.out, tokenizer=tok if tok.is_file() else None)
         print(f"imported {src} -> {args.out} ({model.num_parameters():,} parameters)")
     else:
         src = Path(args.to_hf)
-        model = load(src)
-        to_hf(model, args.out, tokenizer_dir=src if any((src / n).is_file() for n in TOKENIZER_FILES) else None)
+        kind = folder_kind(src)
+        if kind == "transformers":
+            from .interop import InteropError
+
+            raise InteropError(f"{src} is already a Hugging Face folder; --from-hf imports it")
+        model = load(src, merge=True)  # an adapter folder exports as its base with the adapter folded in
+        tok_dir = src if any((src / n).is_file() for n in TOKENIZER_FILES) else None
+        to_hf(model, args.out, tokenizer_dir=tok_dir)
         print(f"exported {src} -> {args.out} (loads with transformers.AutoModel*.from_pretrained)")
     return 0
 

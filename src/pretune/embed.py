@@ -68,21 +68,16 @@ def load_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None
         ConfigError / CheckpointError / InteropError: the folder cannot be loaded (named);
         TokenizerError: no tokenizer.json in the folder (and no ``tokenizer`` given).
     """
-    from . import from_hf, load
-    from .interop import read_hf_config
+    from .loading import load_pretrained
 
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ConfigError(f"{path}: not a folder; expected a pretune checkpoint or a Hugging Face model folder")
-    if (path / "config.json").is_file() and "model_type" in read_hf_config(path):
-        model = from_hf(path)
-    else:
-        model = load(path)
-    model.to(device).eval()
-    if tokenizer is None and not (path / "tokenizer.json").is_file():
+    loaded = load_pretrained(path, tokenizer=tokenizer, need_tokenizer=False, device=device)
+    if loaded.tokenizer is None:
         raise TokenizerError(f"{path} holds no tokenizer.json; give the model's tokenizer explicitly "
                              f"(tokenizer=... / --tokenizer FILE)")
-    return model, Tokenizer.load(tokenizer if tokenizer is not None else path)
+    return loaded.model, loaded.tokenizer
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,11 +26,10 @@ import numpy as np
 import torch
 
 from .config import TASK_HEADS, ConfigError
+from .loading import TASK_FILE
 from .peft.config import PeftConfig
 from .runconfig import TrainConfig, merge_layers, section
 from .tasks.base import Record, TaskConfig
-
-TASK_FILE = "task.json"
 
 
 @dataclass
@@ -141,47 +140,16 @@ class FinetuneResult:
 # ----------------------------------------------------------------------------------------------
 # models and task files
 # ----------------------------------------------------------------------------------------------
-def load_model_and_tokenizer(path: str | Path, tokenizer: str = ""):
-    """A pretune checkpoint or Hugging Face folder, and the tokenizer saved with it (or ``tokenizer``)."""
-    from .pretrain import _load_init
-    from .tokenization import Tokenizer
-
-    p = Path(path)
-    model = _load_init(str(p))
-    tok_src = tokenizer or p
-    try:
-        tok = Tokenizer.load(tok_src)
-    except Exception as e:  # noqa: BLE001 - the tokenizer loader's own error, with the fix added
-        raise ConfigError(f"no usable tokenizer for {p} ({e}); pass tokenizer=PATH") from None
-    return model, tok
-
-
-def with_task_head(model, head_cfg: dict):
-    """The same body with the task's head: kept when the model already has it (continued finetuning),
-    else a freshly initialised one; the LM/MLM head of a pretrained model is dropped (as HF does)."""
-    from .model import TransformerLM
-
-    cfg = model.config
-    same = cfg.head == head_cfg["head"] and (head_cfg["head"] == "lm" or cfg.num_labels == head_cfg.get("num_labels"))
-    if same and (head_cfg.get("pooling") is None or cfg.sentence_pooling == head_cfg.get("pooling")):
-        return model
-    new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None, "pooling": None, **head_cfg}))
-    new.transformer.load_state_dict(model.transformer.state_dict())
-    if model.pooler is not None and new.pooler is not None:
-        new.pooler.load_state_dict(model.pooler.state_dict())
-    return new
-
-
 def save_task(path: Path, task_cfg: TaskConfig) -> None:
     (path / TASK_FILE).write_text(json.dumps(dataclasses.asdict(task_cfg), indent=2) + "\n")
 
 
 def load_task_config(model_dir: str | Path, overrides: dict | None = None) -> TaskConfig:
     """The task.json saved with a finetuned model (or defaults), with field overrides."""
+    from .loading import read_task
     from .runconfig import section as typed
 
-    p = Path(model_dir) / TASK_FILE
-    data = json.loads(p.read_text()) if p.is_file() else {}
+    data = read_task(model_dir) or {}
     data.update(overrides or {})
     return typed("task", TaskConfig, data)
 
@@ -288,7 +256,10 @@ def build_model_for_task(cfg: FinetuneConfig, task_cls, labels: list[str], *, lo
     init = cfg.model.get("init")
     torch.manual_seed(cfg.train.seed)
     if init:
-        model, tok = load_model_and_tokenizer(init, cfg.tokenizer)
+        from .loading import load_pretrained
+
+        loaded = load_pretrained(init, tokenizer=cfg.tokenizer or None, merge=True)  # an adapter: folded in
+        model, tok = loaded.model, loaded.tokenizer
         extra = {k: v for k, v in cfg.model.items() if k != "init"}
         if model.config.head in ("classification", "tagging") and head_cfg["head"] == model.config.head:
             head_cfg.update(num_labels=model.config.num_labels, labels=model.config.labels)  # keep its label map
@@ -297,7 +268,7 @@ def build_model_for_task(cfg: FinetuneConfig, task_cls, labels: list[str], *, lo
             log(f"from scratch: {init}'s architecture with random weights")
         elif extra:
             model = _rebuilt(model, extra)
-        model = with_task_head(model, head_cfg)
+        model = model.with_head(**head_cfg)
     else:
         if not cfg.model.get("preset"):
             raise ConfigError("no model: set model.init=CHECKPOINT (a pretune or Hugging Face folder) or "
@@ -510,13 +481,11 @@ def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, to
     """(model, tokenizer, task) of a finetuned checkpoint (its task.json), of an adapter folder written by
     ``finetune`` with peft.method (its base model + the adapter; ``base`` overrides the recorded base), or
     of an HF task model with ``task_overrides={"name": ...}``."""
-    from .peft import is_adapter_folder, load_peft_model
+    from .loading import load_pretrained
     from .tasks import TASKS
 
-    if is_adapter_folder(model_dir):
-        model, tok = load_peft_model(model_dir, base=base or None, tokenizer=tokenizer)
-    else:
-        model, tok = load_model_and_tokenizer(model_dir, tokenizer)
+    loaded = load_pretrained(model_dir, base=base or None, tokenizer=tokenizer or None)
+    model, tok = loaded.model, loaded.tokenizer
     tcfg = load_task_config(model_dir, task_overrides)
     if not (Path(model_dir) / TASK_FILE).is_file() and not (task_overrides or {}).get("name"):
         guess = {"classification": "classification", "regression": "regression", "tagging": "tagging",

@@ -82,7 +82,9 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     init = cfg.model.get("init")
     torch.manual_seed(cfg.train.seed)
     if init:
-        model = _load_init(init)
+        from .loading import load
+
+        model = load(init, merge=True)  # any model folder; an adapter is folded into its base
         if model.config.vocab_size < tok.vocab_size:
             raise ConfigError(f"model.init {init} has vocab_size {model.config.vocab_size} but the tokenizer has "
                               f"{tok.vocab_size} tokens: use the checkpoint's own tokenizer")
@@ -102,7 +104,7 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     if init and need is not None and model.config.head != need:
         if dist.is_main:
             print(f"model.init {init} has head={model.config.head!r}; adding a freshly initialised {need} head")
-        model = _with_head(model, need)  # e.g. MiniLM ships without its MLM head: continue with a fresh one
+        model = model.with_head(head=need)  # e.g. MiniLM ships without its MLM head: continue with a fresh one
     mcfg = model.config
     objective = build_objective(cfg.objective, model, tok)
 
@@ -153,29 +155,6 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     ids_eval = ids_eval[lengths[ids_eval] >= MIN_BLOCK] if len(ids_eval) else ids_eval
     data = ExampleSet(get=get, train_ids=ids_train, eval_ids=ids_eval, lengths=lengths)
     return tok, model, objective, data, block_size
-
-
-def _with_head(model, head: str):
-    """The same body with a newly initialised ``head`` (the pretraining head a checkpoint left out)."""
-    from .model import TransformerLM
-
-    new = TransformerLM(model.config.replace(head=head))
-    new.transformer.load_state_dict(model.transformer.state_dict())
-    if model.pooler is not None and new.pooler is not None:
-        new.pooler.load_state_dict(model.pooler.state_dict())
-    return new
-
-
-def _load_init(path: str):
-    from . import from_hf, load
-    from .interop import read_hf_config
-
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"model.init={path!r}: no such checkpoint folder")
-    if (p / "config.json").is_file() and "model_type" in read_hf_config(p):
-        return from_hf(p)
-    return load(p)
 
 
 def pretrain(cfg: RunConfig, *, resume: bool = False, show_progress: bool = True, log=print) -> PretrainResult:

@@ -228,7 +228,7 @@ def _majority(path: Path) -> float | None:
 
 
 def _load(model_dir: Path):
-    from .checkpoint import load
+    from .loading import load
 
     return load(model_dir)
 

@@ -102,4 +102,4 @@ def test_cli_flags():
     args = build_parser().parse_args(["bench", "generate", "--batches", "1", "--rounds", "1", "--new-tokens", "16",
                                       "--json", "out.json"])
     assert (args.batches, args.rounds, args.new_tokens, args.prompt_len, args.json) == ([1], 1, 16, 32, "out.json")
-    assert args.func is bg.run_cli and Path(bg.__file__).name == "generate.py" and Path(bg.__file__).parent.name == "bench"
+    assert args.func is bg.run_cli and Path(bg.__file__).parts[-2:] == ("bench", "generate.py")

@@ -135,7 +135,7 @@ def test_eos_comes_from_the_imported_config(pair, tmp_path):
     hf.generation_config.eos_token_id, ours.config.eos_token_id = eos, eos
     try:
         want = _hf_generate(hf, ids, mask, max_new_tokens=NEW, pad_token_id=0)
-        got = ours.generate(ids, mask, max_new_tokens=NEW)  # the TransformerLM method; pad: config.pad_token_id
+        got = pretune.generate(ours, ids, mask, max_new_tokens=NEW)  # the public function; pad: config.pad_token_id
     finally:
         hf.generation_config.eos_token_id, ours.config.eos_token_id = before
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -465,9 +465,8 @@ def test_cli_cot_self_consistency_with_stub(cli_files, tmp_path, monkeypatch, ca
 @pytest.mark.slow
 def test_smollm2_cache_equals_rows_and_direct():
     """SmolLM2-135M-Instruct: shared-prefix KV-cache scoring equals full prompt+word rows (and a direct pass)."""
-    from pretune.finetune import load_model_and_tokenizer
-
-    model, tok = load_model_and_tokenizer(_smollm2_folder())
+    loaded = pretune.load_pretrained(_smollm2_folder())
+    model, tok = loaded.model, loaded.tokenizer
     model.eval()
     v = Verbalizer.parse("ham=not spam,spam=spam")
     p = FewShotPrompt(PromptTemplate("Message: {text}\nSpam or not spam? Answer:"), shots=POOL[:2],

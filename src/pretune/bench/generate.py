@@ -7,7 +7,7 @@ greedy, with the KV cache. Both are given ``min_new_tokens = max_new_tokens = ne
 stops at EOS: every run produces exactly ``batch * new_tokens`` tokens (checked), and the two outputs are
 compared token for token (``same_tokens``).
 
-* pretune: ``pretune.from_hf(folder)`` and :func:`pretune.generation.generate` (eager).
+* pretune: ``pretune.load(folder)`` and :func:`pretune.generation.generate` (eager).
 * pretune-compiled: the same with ``compile=True`` (a fixed-shape KV cache and a ``torch.compile``'d decoding
   step). Its warm-up generates the full ``new_tokens`` (so that the timed runs find the step compiled for their
   shape) and its time, compilation included, is reported as ``first_seconds``.
@@ -56,10 +56,10 @@ def _load(job: Job):
     import torch
 
     if job.impl in OURS:
-        from .. import from_hf
         from ..generation import generate
+        from ..loading import load
 
-        model = from_hf(job.model)
+        model = load(job.model)
         compile = job.impl == "pretune-compiled"
 
         def run(ids, n):

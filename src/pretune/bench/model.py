@@ -42,7 +42,7 @@ def _build(job: Job):
     shape = SHAPES[job.family]
     max_len = max(512, job.seq)
     if job.impl == "pretune":
-        from .. import build_model
+        from ..model import build_model
 
         preset = "gpt2" if job.family == "gpt" else "bert-base"
         model = build_model(preset, **shape, max_seq_len=max_len, dropout=job.dropout, attn_dropout=job.dropout)

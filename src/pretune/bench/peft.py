@@ -48,7 +48,7 @@ def _build(job: Job):
 
     max_len = max(512, job.seq)
     if job.impl.startswith("pretune"):
-        from .. import build_model
+        from ..model import build_model
 
         model = build_model("gpt2", **SHAPE, max_seq_len=max_len, dropout=job.dropout, attn_dropout=job.dropout)
         if job.impl == "pretune-lora":

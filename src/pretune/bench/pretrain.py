@@ -114,7 +114,7 @@ class _PretuneRun:
     """Our pretraining loop: a Trainer over the first blocks of the store; one call = train_step()."""
 
     def __init__(self, job: Job, run_dir: str, record: list | None):
-        from .. import build_model
+        from ..model import build_model
         from ..objectives import build_objective
         from ..runconfig import ObjectiveConfig, TrainConfig
         from ..tokenization import Tokenizer

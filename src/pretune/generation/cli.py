@@ -42,11 +42,12 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="generate text from prompts (greedy, sampling, beam search; streaming)",
                        description=textwrap.fill(GENERATE_DESCRIPTION, 100), epilog=GENERATE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("model", metavar="MODEL", help="pretune checkpoint or Hugging Face folder (decoder or "
-                   "encoder-decoder with an LM head)")
+    s.add_argument("model", metavar="MODEL", help="pretune checkpoint, Hugging Face folder or adapter folder "
+                   "(a decoder or encoder-decoder with an LM head)")
     s.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text(s)")
     s.add_argument("--file", metavar="FILE", help="more prompts, one per line (blank lines skipped; - for stdin)")
     s.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or folder (default: the model's)")
+    s.add_argument("--base", metavar="DIR", help="an adapter folder's base model (default: the path it recorded)")
     s.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most "
                    "(default 64)")
     s.add_argument("--min-new-tokens", type=int, default=0, metavar="N", help="no EOS before N tokens (default 0)")
@@ -156,19 +157,24 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..config import ConfigError
-    from ..finetune import load_model_and_tokenizer
+    from ..loading import load_pretrained
     from .decode import generate
     from .scoring import _pad
 
     prompts = _read_prompts(args)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    model, tok = load_model_and_tokenizer(args.model, args.tokenizer or "")
+    loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
+    model, tok = loaded.model, loaded.tokenizer
     arch = model.config.arch
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model.to(device=device, dtype=dtype).eval()
-    chat_source = (args.tokenizer or args.model) if args.chat else None
+    chat_source = None
+    if args.chat:
+        from .prompt import load_chat_template
+
+        chat_source = load_chat_template(loaded.folders)
     add_bos = {"auto": None, "yes": True, "no": False}[args.bos]
     encoded = [prompt_ids(p, tok, arch=arch, chat_source=chat_source, system=_unescape(args.system),
                           add_bos=add_bos) for p in prompts]

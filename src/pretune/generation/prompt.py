@@ -349,14 +349,24 @@ def _special_token_strings(folder: Path) -> dict[str, Any]:
     return out
 
 
-def load_chat_template(source: str | Path, name: str | None = None) -> ChatTemplate:
+def load_chat_template(source: str | Path | Sequence[str | Path], name: str | None = None) -> ChatTemplate:
     """The chat template of a Hugging Face model or tokenizer folder (or of the folder of a tokenizer.json).
 
     Looked for, as transformers does: ``chat_template.jinja`` (plus named ones in
     ``additional_chat_templates/*.jinja``), else ``chat_template.json``, else ``tokenizer_config.json``'s
     ``"chat_template"`` (a string, or a list of ``{"name", "template"}``). ``name`` picks a named template
-    (default: ``"default"``).
+    (default: ``"default"``). A list of folders (``Pretrained.folders``: a tokenizer given explicitly, the model
+    folder, an adapter's base) is searched in order; the first that has a template is used.
     """
+    if not isinstance(source, (str, Path)):
+        folders = list(source)
+        for i, f in enumerate(folders):
+            try:
+                return load_chat_template(f, name)
+            except PromptError:
+                if i == len(folders) - 1:
+                    raise
+        raise PromptError("no folder to look for a chat template in")
     folder = Path(source).expanduser()
     folder = folder.parent if folder.is_file() else folder
     if not folder.is_dir():

@@ -135,6 +135,7 @@ def add_prompt_parser(sub) -> argparse.ArgumentParser:
 
     g = s.add_argument_group("model and context")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or folder, if MODEL holds none")
+    g.add_argument("--base", metavar="DIR", help="an adapter folder's base model (default: the path it recorded)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message with the model's chat template (tokenizer_config.json "
                    "/ chat_template.jinja); the answer starts the assistant's reply")
@@ -236,7 +237,7 @@ def cmd_prompt(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from ..finetune import load_model_and_tokenizer
+    from ..loading import load_pretrained
 
     template_text, sep = unescape(args.template), unescape(args.sep)
     if args.cot:
@@ -279,10 +280,11 @@ def cmd_prompt(args) -> int:
     for r in records[:1]:
         template.check(r)
 
-    model, tok = load_model_and_tokenizer(args.model, args.tokenizer or "")
+    loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
+    model, tok = loaded.model, loaded.tokenizer
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
-    chat = load_chat_template(args.tokenizer or args.model) if args.chat else None
+    chat = load_chat_template(loaded.folders) if args.chat else None
     common = dict(chat=chat, system=unescape(args.system), max_len=args.max_len,
                   fit=args.fit.replace("-", "_"), add_bos={"auto": None, "yes": True, "no": False}[args.bos])
     if args.show_prompt:

@@ -13,7 +13,7 @@ from .cache import KVCache
 from .heads import HEADS, Pooler
 from .transformer import Transformer
 
-__all__ = ["TransformerLM", "ModelOutput", "KVCache", "count_parameters"]
+__all__ = ["TransformerLM", "ModelOutput", "KVCache", "build_model", "count_parameters"]
 
 
 @dataclass
@@ -128,11 +128,36 @@ class TransformerLM(nn.Module):
     def num_parameters(self) -> int:
         return count_parameters(self)["total"]
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Token ids continuing ``input_ids``: see :func:`pretune.generation.generate` for every option."""
-        from ..generation.decode import generate  # generation imports the model package: import at call time
+    def with_head(self, **fields) -> TransformerLM:
+        """This body with the head that ``fields`` describe (``head`` and, for task heads, ``num_labels``,
+        ``labels``, ``pooling``, ...): ``self`` when it already has that head (continued finetuning, or
+        continued pretraining with the same head), else a new model with a copy of the body (and pooler) and a
+        freshly initialised head; the old head is dropped, as transformers does when a task class is loaded
+        from a pretrained body (e.g. MiniLM ships without its MLM head)."""
+        cfg = self.config
+        head = fields["head"]
+        same = cfg.head == head and (head not in TASK_HEADS or cfg.num_labels == fields.get("num_labels"))
+        if same and (fields.get("pooling") is None or cfg.sentence_pooling == fields.get("pooling")):
+            return self
+        new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None, "pooling": None, **fields}))
+        new.transformer.load_state_dict(self.transformer.state_dict())
+        if self.pooler is not None and new.pooler is not None:
+            new.pooler.load_state_dict(self.pooler.state_dict())
+        return new
 
-        return generate(self, input_ids, attention_mask, **kwargs)
+
+def build_model(config: ModelConfig | str, **overrides) -> TransformerLM:
+    """A freshly initialised model from a preset name (``"bert-base"``, ``"tiny-llama"``, ...) or a
+    ModelConfig, with optional field overrides (``dropout=0.0``). Unknown keys raise ConfigError."""
+    from ..presets import get_preset
+
+    if isinstance(config, str):
+        cfg = get_preset(config, **overrides)
+    elif isinstance(config, ModelConfig):
+        cfg = config.replace(**overrides) if overrides else config
+    else:
+        raise TypeError(f"build_model expects a preset name or ModelConfig, got {type(config).__name__}")
+    return TransformerLM(cfg)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -6,13 +6,14 @@ embeddings-only training, alone or combined, several adapters in one model and o
     ...train...
     peft.save_adapter(model, "adapter/", base="minilm/")     # peft's layout for LoRA: loads in `peft` too
     model2 = pretune.load("minilm/"); peft.load_adapter(model2, "adapter/", name="spam")
+    model3 = pretune.load("adapter/")                        # or: the base it recorded, with the adapter active
     with peft.route(model2, ["spam", None, "spam"]):         # a different adapter (or none) per example
         out = model2(ids, attention_mask=mask)
     merged = peft.merged_model(model2, "spam")                # a plain model with LoRA folded into W0
 """
 
 from .config import METHOD_HELP, METHODS, PeftConfig
-from .files import hf_places, is_adapter_folder, load_adapter, load_peft_model, read_meta, save_adapter
+from .files import hf_places, is_adapter_folder, load_adapter, read_meta, save_adapter
 from .inject import (
                      PeftError,
                      adapter_names,
@@ -33,6 +34,6 @@ from .layers import PeftLinear, PeftState
 __all__ = [
     "METHODS", "METHOD_HELP", "PeftConfig", "PeftError", "PeftLinear", "PeftState", "inject", "route", "set_active",
     "merge", "unmerge", "merged_model", "strip_peft", "freeze_for", "trainable_summary", "format_summary",
-    "adapter_names", "adapter_parameters", "save_adapter", "load_adapter", "load_peft_model", "hf_places",
+    "adapter_names", "adapter_parameters", "save_adapter", "load_adapter", "hf_places",
     "is_adapter_folder", "read_meta",
 ]

@@ -11,12 +11,14 @@ from .config import METHOD_HELP
 
 def cmd_merge(args) -> int:
     from ..checkpoint import save
-    from ..finetune import TASK_FILE
-    from .files import load_peft_model
-    from .inject import merged_model
+    from ..loading import TASK_FILE, folder_kind, load_pretrained
+    from .inject import PeftError
 
-    model, tok = load_peft_model(args.adapter, base=args.base)
-    plain = merged_model(model)
+    if folder_kind(args.adapter) != "adapter":
+        raise PeftError(f"{args.adapter} is not an adapter folder (no adapter_model.safetensors with "
+                        "pretune_adapter.json or adapter_config.json); `peft merge` folds an adapter into its base")
+    loaded = load_pretrained(args.adapter, base=args.base, merge=True)
+    plain, tok = loaded.model, loaded.tokenizer
     save(plain, args.out, tokenizer=tok.tk)
     task = Path(args.adapter) / TASK_FILE
     if task.is_file():

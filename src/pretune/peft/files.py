@@ -478,30 +478,8 @@ def _suffix_match(module: str, by_hf: dict[str, list[str]]) -> list[str]:
     return by_hf[hits[0]] if len(hits) == 1 else []
 
 
-def load_peft_model(path: str | os.PathLike, *, base: str | os.PathLike | None = None, tokenizer: str = ""):
-    """(model, tokenizer) of an adapter folder: its base model (``base`` or the path it recorded) with
-    the adapter loaded and active."""
-    from ..finetune import load_model_and_tokenizer, with_task_head
-
-    path = Path(path)
-    meta = read_meta(path) or {}
-    base = base or (meta.get("base") or {}).get("model")
-    if not base:
-        raise PeftError(f"{path}: the adapter does not record its base model; pass base=PATH (--base)")
-    if not Path(base).exists():
-        raise PeftError(f"{path}: its base model {base} does not exist; pass base=PATH (--base)")
-    tok_src = tokenizer or (str(path) if (path / "tokenizer.json").is_file() else "")
-    model, tok = load_model_and_tokenizer(base, tok_src)
-    head = meta.get("head")
-    if head and head.get("head") in TASK_HEADS:
-        model = with_task_head(model, {k: head[k] for k in _HEAD_FIELDS if k in head})
-    load_adapter(model, path)
-    return model.eval(), tok
-
-
 def adapter_size(path: str | os.PathLike) -> int:
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file() and f.name in (WEIGHTS_FILE,))
 
 
-__all__ = ["save_adapter", "load_adapter", "load_peft_model", "hf_places", "is_adapter_folder", "read_meta",
-           "CheckpointError"]
+__all__ = ["save_adapter", "load_adapter", "hf_places", "is_adapter_folder", "read_meta", "CheckpointError"]

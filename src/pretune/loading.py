@@ -1,0 +1,180 @@
+"""One way in: any model folder -> the model, its tokenizer and its task metadata.
+
+    loaded = pretune.load_pretrained("runs/finetune/model")   # a pretune checkpoint, a transformers folder
+    loaded.model, loaded.tokenizer, loaded.task, loaded.kind    # or an adapter folder (LoRA, prefix, ...)
+    model = pretune.load("hf_folder/")                          # the model alone
+
+Three kinds of folder, told apart by :func:`folder_kind` (the only place that answers the question):
+
+* ``pretune``: ``config.json`` (pretune's keys) + ``model.safetensors`` [+ ``tokenizer.json``, ``task.json``];
+* ``transformers``: a Hugging Face folder, its ``config.json`` names a ``model_type`` (converted on load);
+* ``adapter``: ``adapter_model.safetensors`` + ``pretune_adapter.json`` or peft's ``adapter_config.json``;
+  its base model comes from ``base=`` or from the path the adapter recorded, is loaded the same way
+  (any kind), gets the adapter's task head, and the adapter is loaded into it and made active.
+
+Every command and job loads through here (finetune, evaluate, predict, embed, generate, prompt, convert,
+peft merge, ``model.init`` of pretraining, the quickstart, the benchmarks), so an adapter folder works
+wherever a model folder does. Training jobs that start *from* an adapter ask for ``merge=True``: the adapter
+is folded into the base weights (LoRA, (IA)3, embeddings, BitFit), so they train a plain model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .checkpoint import CONFIG_NAME, CheckpointError
+from .config import ConfigError
+
+FolderKind = Literal["pretune", "transformers", "adapter"]
+TASK_FILE = "task.json"  # how a finetuned model's records become inputs (written by finetune, read by evaluate)
+
+__all__ = ["Pretrained", "folder_kind", "load_pretrained", "load", "read_task", "TASK_FILE"]
+
+
+@dataclass
+class Pretrained:
+    """What :func:`load_pretrained` returns."""
+
+    model: torch.nn.Module  # a TransformerLM in eval mode (an adapter folder: its base with the adapter active)
+    tokenizer: object | None  # pretune.tokenization.Tokenizer, or None when not asked for and not found
+    task: dict | None  # the folder's task.json (a finetuned model or adapter), None when it has none
+    kind: FolderKind  # what the folder was
+    path: Path  # the folder itself
+    base: Path | None = None  # adapter folders: the base model's folder
+    folders: tuple[Path, ...] = ()  # where the tokenizer and its side files (chat template) are looked for, in order
+
+
+def folder_kind(path: str | os.PathLike) -> FolderKind:
+    """Whether ``path`` is a pretune checkpoint, a transformers folder or an adapter folder; an error naming the
+    folder and what it lacks otherwise."""
+    from .peft.files import is_adapter_folder
+
+    p = Path(path)
+    expected = "expected a pretune checkpoint, a Hugging Face model folder or an adapter folder"
+    if not p.exists():
+        raise CheckpointError(f"{p}: not a checkpoint folder: it does not exist ({expected})")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a checkpoint folder but a file ({expected})")
+    if is_adapter_folder(p):
+        return "adapter"
+    config = p / CONFIG_NAME
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+        return "transformers" if isinstance(data, dict) and "model_type" in data else "pretune"
+    raise CheckpointError(f"{p}: not a model folder: missing {CONFIG_NAME} (a pretune checkpoint or Hugging Face "
+                          "model) and no adapter_model.safetensors (an adapter)")
+
+
+def read_task(path: str | os.PathLike) -> dict | None:
+    """The ``task.json`` of a folder (None when it has none)."""
+    file = Path(path) / TASK_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a mapping of task settings, got {type(data).__name__}")
+    return data
+
+
+def _model(path: Path, kind: FolderKind):
+    if kind == "transformers":
+        from .interop import from_hf
+
+        return from_hf(path)
+    from .checkpoint import load as load_checkpoint
+
+    return load_checkpoint(path)
+
+
+def _tokenizer(sources: list[Path | str], required: bool, what: Path):
+    from .tokenization import Tokenizer, TokenizerError
+
+    errors = []
+    for src in sources:
+        try:
+            return Tokenizer.load(src)
+        except (TokenizerError, OSError, ValueError) as e:
+            errors.append(str(e))
+    if required:
+        raise ConfigError(f"no usable tokenizer for {what} ({'; '.join(errors) or 'none found'}); pass "
+                          "tokenizer=PATH (--tokenizer)")
+    return None
+
+
+def _adapter_base(path: Path, base: str | os.PathLike | None) -> Path:
+    from .peft import read_meta
+    from .peft.inject import PeftError
+
+    meta = read_meta(path) or {}
+    recorded = (meta.get("base") or {}).get("model")
+    chosen = base or recorded
+    if not chosen:
+        raise PeftError(f"{path}: the adapter does not record its base model; pass base=PATH (--base)")
+    if not Path(chosen).exists():
+        how = "the base model it recorded" if not base else "the base model given"
+        raise PeftError(f"{path}: {how}, {chosen} does not exist; pass base=PATH (--base)")
+    return Path(chosen)
+
+
+def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None = None,
+                    tokenizer: str | os.PathLike | None = None, need_tokenizer: bool = True, merge: bool = False,
+                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Pretrained:
+    """Load any model folder (see the module docstring).
+
+    Args:
+        path: a pretune checkpoint, a Hugging Face ``transformers`` folder, or an adapter folder.
+        base: an adapter folder's base model (default: the path the adapter recorded).
+        tokenizer: a tokenizer.json (or folder holding one) to use instead of the folder's own.
+        need_tokenizer: raise when no tokenizer is found (False: ``tokenizer`` is then None).
+        merge: adapter folders: fold the adapter into the base weights and return a plain model (what training
+            from an adapter needs); only LoRA, (IA)3, embeddings and BitFit adapters fold in.
+        device, dtype: where the model goes and its parameter dtype (default: fp32).
+    """
+    path = Path(path).expanduser()
+    kind = folder_kind(path)
+    base_dir = None
+    if kind == "adapter":
+        from .peft import load_adapter, merged_model, read_meta
+
+        base_dir = _adapter_base(path, base)
+        inner = load_pretrained(base_dir, need_tokenizer=False)
+        model = inner.model
+        head = (read_meta(path) or {}).get("head")
+        if head and head.get("head") is not None and head.get("head") != "lm":
+            model = model.with_head(**{k: head[k] for k in ("head", "num_labels", "labels", "pooling",
+                                                            "classifier_dropout", "multi_label") if k in head})
+        name = load_adapter(model, path)
+        if merge:
+            model = merged_model(model, name)
+        tok_sources = [tokenizer] if tokenizer else [path, base_dir]
+        task = read_task(path) or inner.task
+    else:
+        model = _model(path, kind)
+        tok_sources = [tokenizer] if tokenizer else [path]
+        task = read_task(path)
+    tok = _tokenizer([s for s in tok_sources if s], need_tokenizer or tokenizer is not None, path)
+    if tok is not None and tok.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"the tokenizer of {path} has {tok.vocab_size} tokens but the model's vocabulary has "
+                          f"{model.config.vocab_size}: is it the model's own tokenizer?")
+    model.to(device=device, dtype=dtype)
+    folders = tuple(Path(f) for f in ([tokenizer] if tokenizer else []) + [path] + ([base_dir] if base_dir else []))
+    return Pretrained(model=model.eval(), tokenizer=tok, task=task, kind=kind, path=path, base=base_dir,
+                      folders=folders)
+
+
+def load(path: str | os.PathLike, *, base: str | os.PathLike | None = None, merge: bool = False,
+         device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """The model of any model folder (see :func:`load_pretrained`), in eval mode."""
+    return load_pretrained(path, base=base, need_tokenizer=False, merge=merge, device=device, dtype=dtype).model
