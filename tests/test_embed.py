@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from pretune.cli.embed import add_embed_parser
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
 from pretune.embed import (
-    add_embed_parser,
     cosine_matrix,
     embed_texts,
     load_encoder,
@@ -95,7 +95,7 @@ def test_paraphrase_ranks_above_unrelated(minilm):
 
 def test_cls_pooling_is_the_first_token(minilm):
     model, tok = minilm
-    assert special_tokens(tok, "encoder") == ([tok.cls_id], [tok.sep_id])
+    assert special_tokens(tok, model) == ([tok.cls_id], [tok.sep_id])
     emb = embed_texts(model, tok, SENTENCES, pooling="cls", batch_size=3)
     for k, text in enumerate(SENTENCES):
         ids = torch.tensor([[tok.cls_id, *tok.encode(text), tok.sep_id]])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Arch = Literal["encoder", "decoder", "encoder-decoder"]
+DecoderLayout = Literal["causal", "prefix_lm"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
 Position = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
@@ -50,6 +51,10 @@ class ModelConfig:
     head_dim: int | None = None  # per-head width (None: dim // n_heads); T5 may set it independently
     ffn_dim: int = 3072  # inner width of the feed-forward block
     max_seq_len: int = 512  # longest sequence; bounds learned/sinusoidal position tables
+
+    decoder_layout: DecoderLayout = "causal"  # decoder-only: how a source and its target share one sequence, as
+    # the model was pretrained: causal (`source target`, GPT-2, Llama, imported LLMs) or prefix_lm (`source EOS
+    # target`, bidirectional over the source, T5's decoder-only variants); see model/layout.py
 
     # --- block --------------------------------------------------------------------------------
     ffn: Ffn = "gelu"  # FFN variant; gated ones (glu, swiglu, ...) have two input projections
@@ -121,6 +126,18 @@ class ModelConfig:
         return "pooler" if self.pooler else "cls"
 
     @property
+    def family(self) -> str:
+        """The family in words: encoder-only, decoder-only or encoder-decoder."""
+        return {"encoder": "encoder-only", "decoder": "decoder-only", "encoder-decoder": "encoder-decoder"}[self.arch]
+
+    @property
+    def layers_text(self) -> str:
+        """The depth in words: "12", or "6 enc + 6 dec" for an encoder-decoder."""
+        if self.arch == "encoder-decoder":
+            return f"{self.n_layers} enc + {self.decoder_layers} dec"
+        return f"{self.n_layers}"
+
+    @property
     def final_norm(self) -> bool:
         """Pre-norm stacks end with a norm (GPT-2 ln_f, T5 final_layer_norm); post-norm ones do not."""
         return self.norm_placement == "pre"
@@ -157,6 +174,9 @@ class ModelConfig:
             for name in ("n_decoder_layers", "share_encoder_decoder"):
                 if getattr(self, name):
                     raise ConfigError(f"{name} applies to arch='encoder-decoder' only, got arch={self.arch!r}")
+        if self.decoder_layout != "causal" and self.arch != "decoder":
+            raise ConfigError(f"decoder_layout={self.decoder_layout!r} applies to arch='decoder' only, got "
+                              f"arch={self.arch!r}")
         if self.position_offset and self.position != "learned":
             raise ConfigError(f"position_offset applies to position='learned' only, got position={self.position!r}")
         if self.head == "mlm" and self.arch != "encoder":

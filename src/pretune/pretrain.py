@@ -105,8 +105,11 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
         if dist.is_main:
             print(f"model.init {init} has head={model.config.head!r}; adding a freshly initialised {need} head")
         model = model.with_head(head=need)  # e.g. MiniLM ships without its MLM head: continue with a fresh one
-    mcfg = model.config
     objective = build_objective(cfg.objective, model, tok)
+    records = objective.records()  # e.g. how a decoder lays out text (model/layout.py), saved with every checkpoint
+    if any(getattr(model.config, k) != v for k, v in records.items()):
+        model.config = model.transformer.config = model.config.replace(**records)
+    mcfg = model.config
 
     longest = objective.block_size(mcfg.max_seq_len)
     block_size = cfg.data.block_size or longest

@@ -533,7 +533,7 @@ def test_cli_errors_are_messages(ckpt, capsys):
 # ------------------------------------------------------------------------------------------------ real model
 @pytest.mark.slow
 def test_smollm2_greedy_equals_transformers():
-    from pretune.generation.cli import prompt_ids
+    from pretune.generation.scoring import prompt_ids
     from pretune.realmodels import smollm2_dir
     from pretune.tokenization import Tokenizer
 
@@ -544,8 +544,8 @@ def test_smollm2_greedy_equals_transformers():
     hf = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = pretune.from_hf(folder)
     tok = Tokenizer.load(folder)
-    rows = [prompt_ids(p, tok, arch="decoder") for p in ("The capital of France is", "def fibonacci(n):")]
-    chat = prompt_ids("Name three primary colours.", tok, arch="decoder", chat_source=folder)
+    rows = [prompt_ids(p, tok, ours) for p in ("The capital of France is", "def fibonacci(n):")]
+    chat = prompt_ids("Name three primary colours.", tok, ours, chat_source=folder)
     for ids in rows + [chat]:
         x = torch.tensor([ids])
         want = _hf_generate(hf, x, torch.ones_like(x), max_new_tokens=40)

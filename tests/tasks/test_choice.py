@@ -22,31 +22,33 @@ RECORDS = [Record("r:1", {"text": "the film was a delight", "label": "pos"}),
            Record("r:3", {"text": "a fine cast", "label": "pos"})]
 
 
-def _setup(tokenizers_by_kind, arch):
+def _setup(tokenizers_by_kind, arch, layout="auto"):
     kind, preset = ("bpe", "tiny-gpt2") if arch == "decoder" else ("unigram", "tiny-t5-small")
     tok = Tokenizer.load(tokenizers_by_kind[kind])
     torch.manual_seed(0)
     model = pretune.build_model(preset, vocab_size=tok.vocab_size, head="lm", dropout=0.0, attn_dropout=0.0,
                                 pad_token_id=tok.pad_id or 0).eval()
-    cfg = TaskConfig(name="choice", labels=["neg", "pos"], choices=["terrible movie", "great"])
+    cfg = TaskConfig(name="choice", labels=["neg", "pos"], choices=["terrible movie", "great"], layout=layout)
     return model, tok, build_task(cfg, model.config, tok)
 
 
 def _direct_logprobs(model, task, source: list[int], choice: list[int]) -> torch.Tensor:
-    """log p(choice_t | source, choice_<t) from one plain forward pass per (input, choice)."""
+    """log p(choice_t | source, choice_<t) from one plain forward pass per (input, choice); a decoder reads the
+    source causally, or (prefix LM) bidirectionally."""
     if model.config.arch == "decoder":
         ids = torch.tensor([source + choice])
-        logits = model(ids, prefix_lengths=torch.tensor([len(source)])).logits[0]
+        prefix = torch.tensor([len(source)]) if task.layout.name == "prefix_lm" else None
+        logits = model(ids, prefix_lengths=prefix).logits[0]
         steps = logits[len(source) - 1: len(source) - 1 + len(choice)]
     else:
-        dec = torch.tensor([[task.start] + choice[:-1]])
+        dec = torch.tensor([[model.config.decoder_start_token_id] + choice[:-1]])
         steps = model(torch.tensor([source]), decoder_input_ids=dec).logits[0]
     return steps.log_softmax(-1)[torch.arange(len(choice)), torch.tensor(choice)]
 
 
-@pytest.mark.parametrize("arch", ["decoder", "encoder-decoder"])
-def test_scores_and_tfew_losses_equal_a_direct_computation(tokenizers_by_kind, arch):
-    model, tok, task = _setup(tokenizers_by_kind, arch)
+@pytest.mark.parametrize("arch,layout", [("decoder", "causal"), ("decoder", "prefix_lm"), ("encoder-decoder", "auto")])
+def test_scores_and_tfew_losses_equal_a_direct_computation(tokenizers_by_kind, arch, layout):
+    model, tok, task = _setup(tokenizers_by_kind, arch, layout)
     feats = [f for r in RECORDS for f in task.encode(r)]
     batch = task.collate(feats)
     lm = ul = ln = 0.0

@@ -248,7 +248,7 @@ def test_tagging_label_set_and_errors(toks):
 SOURCES = ["Emma was very happy.", "Mr. Knightley said nothing at all, which was rather odd for him.", "Yes."]
 
 
-def random_seq2seq(preset: str, tok: Tokenizer, std: float):
+def random_seq2seq(preset: str, tok: Tokenizer, std: float, layout: str = "auto"):
     """A random model with untied, widely spread weights: varied greedy outputs, no near-ties."""
     cfg = model_cfg(preset, tok, tie_embeddings=False, dropout=0.0, decoder_start_token_id=tok.pad_id or 0)
     torch.manual_seed(0)
@@ -257,7 +257,7 @@ def random_seq2seq(preset: str, tok: Tokenizer, std: float):
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0.0, std)
-    task = build_task(TaskConfig(name="seq2seq", max_len=64, max_target_len=12), cfg, tok)
+    task = build_task(TaskConfig(name="seq2seq", max_len=64, max_target_len=12, layout=layout), cfg, tok)
     return model, task
 
 
@@ -267,8 +267,9 @@ def greedy_without_cache(model, task, source: list[int], n: int) -> list[int]:
     out: list[int] = []
     src = torch.tensor([source])
     for _ in range(n):
-        if task.model_cfg.arch == "decoder":
-            logits = model(torch.tensor([source + out]), prefix_lengths=torch.tensor([len(source)])).logits
+        if task.model_cfg.arch == "decoder":  # the source read causally, or bidirectionally (prefix LM)
+            prefix = torch.tensor([len(source)]) if task.layout.name == "prefix_lm" else None
+            logits = model(torch.tensor([source + out]), prefix_lengths=prefix).logits
         else:
             logits = model(src, torch.ones_like(src), decoder_input_ids=torch.tensor([[task.start] + out])).logits
         nxt = int(logits[0, -1].argmax())
@@ -278,11 +279,14 @@ def greedy_without_cache(model, task, source: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("preset,kind,std", [("tiny-t5-small", "unigram", 1.0), ("tiny-gpt2", "bpe", 0.3),
-                                             ("tiny-llama", "bpe", 0.3)])
-def test_greedy_generation_with_cache_equals_recomputing(preset, kind, std, toks):
+@pytest.mark.parametrize("preset,kind,std,layout", [("tiny-t5-small", "unigram", 1.0, "auto"),
+                                                    ("tiny-gpt2", "bpe", 0.3, "causal"),
+                                                    ("tiny-gpt2", "bpe", 0.3, "prefix_lm"),
+                                                    ("tiny-llama", "bpe", 0.3, "causal"),
+                                                    ("tiny-llama", "bpe", 0.3, "prefix_lm")])
+def test_greedy_generation_with_cache_equals_recomputing(preset, kind, std, layout, toks):
     tok = toks[kind]
-    model, task = random_seq2seq(preset, tok, std)
+    model, task = random_seq2seq(preset, tok, std, layout)
     records = [Record(f"s:{i}", {"source": s, "target": "x"}) for i, s in enumerate(SOURCES)]
     feats = [task.encode(r, labelled=False)[0] for r in records]
     cached = task.generate(model, task.collate(feats))  # one padded batch
@@ -306,12 +310,22 @@ def test_seq2seq_features(toks):
     assert f["decoder_input_ids"].tolist() == [cfg.decoder_start_token_id, *f["labels"][:-1].tolist()]
     gpt = toks["bpe"]
     dcfg = model_cfg("tiny-gpt2", gpt)
-    dtask = build_task(TaskConfig(name="seq2seq", max_len=24, max_target_len=6), dcfg, gpt)
+    # a decoder pretrained as a prefix LM: source EOS target EOS, bidirectional over source + EOS
+    dtask = build_task(TaskConfig(name="seq2seq", max_len=24, max_target_len=6, layout="prefix_lm"), dcfg, gpt)
     (d,) = dtask.encode(Record("s:1", {"source": " ".join(["word"] * 40), "target": "the answer"}))
     k = int(d["prefix_lengths"])
-    assert len(d["input_ids"]) <= 24 and d["input_ids"][k - 1] == gpt.eos_id
+    assert len(d["input_ids"]) <= 24 and d["input_ids"][k - 1] == gpt.eos_id and int(d["prompt_len"]) == k
     assert (d["labels"][:k] == IGNORE).all() and d["labels"][k:].tolist() == d["input_ids"][k:].tolist()
     assert gpt.decode(d["input_ids"][k:-1].tolist()) == "the answer"
+    # a causally pretrained decoder (the default for GPT-2, Llama, imported LLMs): source target EOS, no separator
+    ctask = build_task(TaskConfig(name="seq2seq", max_len=24, max_target_len=6), dcfg, gpt)
+    assert ctask.layout.name == "causal"
+    (c,) = ctask.encode(Record("s:1", {"source": " ".join(["word"] * 40), "target": "the answer"}))
+    k = int(c["prompt_len"])
+    assert "prefix_lengths" not in c and len(c["input_ids"]) <= 24 and c["input_ids"][-1] == gpt.eos_id
+    assert (c["labels"][:k] == IGNORE).all() and c["labels"][k:].tolist() == c["input_ids"][k:].tolist()
+    assert gpt.decode(c["input_ids"][k:-1].tolist()) == " the answer"  # continues the source as running text
+    assert k == 24 - 1 - 6  # the source cut to what max_len leaves beside max_target_len
 
 
 # ---------------------------------------------------------------------------------------------- label maps

@@ -28,6 +28,7 @@ import torch
 from ..config import ConfigError
 from ..model import KVCache
 from ..model.cache import StaticKVCache
+from ..model.layout import layout_of
 from .beam import beam_search
 
 __all__ = ["generate", "GenerationError"]
@@ -50,9 +51,10 @@ class Runner:
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                  max_new_tokens: int, use_cache: bool, decoder_start: int, static_cache: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, layout=None):
         self.model = model
-        self.enc_dec = model.config.arch == "encoder-decoder"
+        self.layout = layout or layout_of(model.config)
+        self.enc_dec = self.layout.encoder_decoder
         B, T = input_ids.shape
         dev = input_ids.device
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -114,8 +116,9 @@ class Runner:
         else:
             mask = None if self.mask is None or static else self.mask[:, : self.length]  # static: the cache's
             pos = None if self.positions is None else self.positions[:, start: self.length].contiguous()
+            extra = self.layout.prompt_kwargs(self.ids[:, : self.prompt_len]) if start == 0 else {}  # prefix LM
             logits = forward(self.model, x.contiguous(), mask, position_ids=pos, past_key_values=self.cache,
-                             use_cache=self.cache is not None, logits_to_keep=1)
+                             use_cache=self.cache is not None, logits_to_keep=1, **extra)
         self.fed = self.length
         return logits.float()
 
@@ -310,10 +313,10 @@ def _tokenizer_id(tokenizer, role: str) -> int | None:
     return found if found is not None else getattr(tokenizer, f"{role}_token_id", None)
 
 
-def _check(model, input_ids, attention_mask, *, max_new_tokens, min_new_tokens, do_sample, temperature, top_k,
-           top_p, num_beams, num_return_sequences, early_stopping, stop, tokenizer, streamer):
+def _check(model, input_ids, attention_mask, *, layout, max_new_tokens, min_new_tokens, do_sample, temperature,
+           top_k, top_p, num_beams, num_return_sequences, early_stopping, stop, tokenizer, streamer):
     cfg = model.config
-    if cfg.arch not in ("decoder", "encoder-decoder") or cfg.head != "lm":
+    if not layout.writes_text or cfg.head != "lm":
         raise GenerationError(f"generation needs a decoder or encoder-decoder with an LM head, got arch={cfg.arch!r}, "
                               f"head={cfg.head!r}")
     for name, value, low in (("max_new_tokens", max_new_tokens, 0), ("min_new_tokens", min_new_tokens, 0),
@@ -343,7 +346,8 @@ def _check(model, input_ids, attention_mask, *, max_new_tokens, min_new_tokens, 
                               f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape "
                               f"{tuple(getattr(input_ids, 'shape', ()))}")
     B, T = input_ids.shape
-    if T == 0 and cfg.arch == "decoder":
+    in_decoder = not layout.encoder_decoder  # the prompt goes through the decoder (and its positions)
+    if T == 0 and in_decoder:
         raise GenerationError("input_ids is empty: a decoder-only model needs at least one prompt token")
     if streamer is not None and (B != 1 or num_beams != 1 or num_return_sequences != 1):
         raise GenerationError(f"streamer needs one sequence (batch 1, num_beams 1, num_return_sequences 1), got "
@@ -352,15 +356,15 @@ def _check(model, input_ids, attention_mask, *, max_new_tokens, min_new_tokens, 
         if attention_mask.shape != input_ids.shape:
             raise GenerationError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
                                   f"{tuple(input_ids.shape)}")
-        if cfg.arch == "decoder" and not bool(attention_mask[:, -1].all()):
+        if in_decoder and not bool(attention_mask[:, -1].all()):
             raise GenerationError("a decoder-only batch must be left-padded (attention_mask ends in 1 on every row); "
                                   "pad on the left so that each row's next token goes in the same column")
     if cfg.position == "learned":  # a fixed table of positions: the prompt and new tokens must fit in it
         rows = cfg.max_seq_len - cfg.position_offset
         prompt = int(attention_mask.sum(-1).max()) if attention_mask is not None else T
-        need = (prompt + max_new_tokens - 1) if cfg.arch == "decoder" else max_new_tokens
+        need = (prompt + max_new_tokens - 1) if in_decoder else max_new_tokens
         if prompt > rows or need > rows:
-            where = "prompt" if cfg.arch == "decoder" else "decoder"
+            where = "prompt" if in_decoder else "decoder"
             raise GenerationError(
                 f"the {where} needs {max(prompt, need)} positions (prompt {prompt} tokens, max_new_tokens "
                 f"{max_new_tokens}) but the model's learned position table has {rows} (max_seq_len="
@@ -392,6 +396,7 @@ def generate(
     min_new_tokens: int = 0,
     static_cache: bool = False,
     compile: bool = False,
+    layout: str | None = None,
 ) -> torch.Tensor:
     """Generate continuations of ``input_ids`` with a decoder-only or encoder-decoder ``TransformerLM``.
 
@@ -436,6 +441,8 @@ def generate(
             on-disk cache has the kernels); later steps cost little beyond reading the weights. Worth it for long
             generations and repeated calls with the same shapes; the tokens are those of the eager path up to
             floating-point rounding.
+        layout: decoder-only models: how the prompt is read, "causal" or "prefix_lm" (bidirectional over the
+            prompt); default: as the model was pretrained (``config.decoder_layout``, see model/layout.py).
 
     Returns:
         LongTensor: decoder-only (B * num_return_sequences, T + n) = prompt + new tokens; encoder-decoder
@@ -448,7 +455,9 @@ def generate(
     if isinstance(stop, str):
         stop = [stop]
     stop = list(stop or [])
-    _check(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+    text_layout = layout_of(model.config, layout)
+    _check(model, input_ids, attention_mask, layout=text_layout, max_new_tokens=max_new_tokens,
+           min_new_tokens=min_new_tokens,
            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, num_beams=num_beams,
            num_return_sequences=num_return_sequences, early_stopping=early_stopping, stop=stop,
            tokenizer=tokenizer, streamer=streamer)
@@ -478,7 +487,7 @@ def generate(
     try:
         with torch.inference_mode():
             runner = Runner(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, use_cache=use_cache,
-                            decoder_start=start, static_cache=static_cache, compile=compile)
+                            decoder_start=start, static_cache=static_cache, compile=compile, layout=text_layout)
             stops = StopStrings(stop, tokenizer, runner.prompt_len) if stop else None
             if max_new_tokens == 0:
                 return runner.output().clone()

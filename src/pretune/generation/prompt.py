@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..tasks.base import Record, get_field
+from ..data.records import Record, get_field
 
 __all__ = ["ORDERS", "ChatTemplate", "FewShotPrompt", "PromptError", "PromptTemplate", "Verbalizer", "Vote",
            "apply_chat_template", "extract_answer", "load_chat_template", "majority_vote", "normalize_answer",

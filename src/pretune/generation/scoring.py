@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from ..data.readers import DataError
+from ..data.records import Record
 from ..model.cache import KVCache
-from ..tasks.base import Record
+from ..model.layout import layout_of
 from .prompt import ChatTemplate, FewShotPrompt, PromptError, SelfConsistency, Verbalizer, apply_chat_template
 from .prompt import self_consistency as _vote_paths
 
-__all__ = ["ClassifyResult", "CotOutcome", "chain_of_thought", "classify", "context_window", "lead_ids",
+__all__ = ["ClassifyResult", "CotOutcome", "chain_of_thought", "classify", "context_window", "lead_ids", "prompt_ids",
            "sample_paths", "score_continuations", "score_seq2seq"]
 
 Strategy = Literal["cache", "rows"]
@@ -59,6 +60,20 @@ def lead_ids(tok, add_bos: bool | None = None) -> list[int]:
     full = tok.tk.encode("a", add_special_tokens=True).ids
     n = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
     return full[:n]
+
+
+def prompt_ids(text: str, tok, model, *, chat_source=None, system: str | None = None,
+               add_bos: bool | None = None) -> list[int]:
+    """Token ids of one prompt for ``model``, laid out by its layout (model/layout.py): decoders [BOS per
+    ``add_bos``] + text; encoder-decoders text + EOS (what T5 was trained to read). ``chat_source``: render the
+    text as a user turn of that chat template first (its special-token strings become their ids; nothing else is
+    added)."""
+    if chat_source is not None:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tok.encode(apply_chat_template(chat_source, messages))
+    layout = layout_of(model.config)
+    lead = [] if layout.encoder_decoder else lead_ids(tok, add_bos)
+    return layout.prompt_ids(tok.encode(text), eos=tok.eos_id, lead=lead)
 
 
 def context_window(model, max_len: int | None = None) -> int:
@@ -109,8 +124,8 @@ def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence
     Returns:
         (N, L) float64: sum over the continuation's tokens of log p(token | everything before it).
     """
-    if model.config.arch != "decoder":
-        raise PromptError(f"score_continuations needs a decoder; the model is {model.config.arch}")
+    if layout_of(model.config).bidirectional:
+        raise PromptError(f"score_continuations needs a decoder; the model is {model.config.family}")
     N = len(queries)
     if len(continuations) != N:
         raise PromptError(f"{N} queries but {len(continuations)} continuation lists")
@@ -199,8 +214,8 @@ def score_seq2seq(model, inputs: Sequence[Sequence[int]], continuations: Sequenc
     inputs: N encoder id lists; continuations: N x L target id lists. Returns (N, L) float64 sums; the decoder
     starts from ``config.decoder_start_token_id``.
     """
-    if model.config.arch != "encoder-decoder":
-        raise PromptError(f"score_seq2seq needs an encoder-decoder; the model is {model.config.arch}")
+    if not layout_of(model.config).encoder_decoder:
+        raise PromptError(f"score_seq2seq needs an encoder-decoder; the model is {model.config.family}")
     dev = _device(model)
     start = model.config.decoder_start_token_id
     out = torch.zeros(len(inputs), max((len(c) for c in continuations), default=0), dtype=torch.float64)
@@ -242,7 +257,7 @@ class _Assembler:
         if fit not in ("error", "drop_shots"):
             raise PromptError(f"fit={fit!r} is not one of error, drop_shots")
         self.tok, self.prompt, self.chat, self.system = tok, prompt, chat, system
-        self.encdec = model.config.arch == "encoder-decoder"
+        self.encdec = layout_of(model.config).encoder_decoder  # the whole prompt goes to the encoder
         self.lead = [] if chat is not None or self.encdec else lead_ids(tok, add_bos)
         self.window, self.fit = context_window(model, max_len), fit
         self.why = (f"max_len={max_len}" if max_len and max_len < model.config.max_seq_len
@@ -365,22 +380,22 @@ def classify(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, records:
     """
     if length_norm not in ("sum", "mean"):
         raise PromptError(f"length_norm={length_norm!r} is not one of sum, mean")
-    arch = model.config.arch
-    if arch == "encoder" or getattr(model, "task_head", False) or model.config.head != "lm":
+    layout = layout_of(model.config)
+    if not layout.writes_text or getattr(model, "task_head", False) or model.config.head != "lm":
         raise PromptError(f"label-word scoring needs a decoder or encoder-decoder with an LM head; this model is "
-                          f"{arch} with head {model.config.head!r}")
+                          f"{model.config.family} with head {model.config.head!r}")
     words = list(verbalizer.words.values())
 
     def continuations(rec: Record) -> list[list[int]]:
         if chat is not None:
             return [tok.encode(w) for w in words]  # the reply starts with the word
-        if arch == "encoder-decoder":
+        if layout.encoder_decoder:
             return [tok.tk.encode(w, add_special_tokens=True).ids for w in words]  # T5: word </s>
         gap = prompt.template.context(rec)[1]
         return [tok.encode(gap + w) for w in words]
 
     def score(prefix, queries, conts, progress=None) -> torch.Tensor:
-        if arch == "encoder-decoder":
+        if layout.encoder_decoder:
             s = score_seq2seq(model, queries, conts, batch_size=batch_size, progress=progress)
         else:
             s = score_continuations(model, prefix, queries, conts, batch_size=batch_size, strategy=strategy,
@@ -401,7 +416,7 @@ def classify(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, records:
         for g in groups:
             scores[g.members] = score(g.prefix, g.queries, [conts[i] for i in g.members], progress)
             if baseline is not None:  # the same prompt (same shots) around a content-free input
-                q = asm.encoder_input(free, g.n_shots) if arch == "encoder-decoder" else asm.query(free, g.n_shots)
+                q = asm.encoder_input(free, g.n_shots) if layout.encoder_decoder else asm.query(free, g.n_shots)
                 baseline[g.members] = F.log_softmax(score(g.prefix, [q], [continuations(free)])[0], dim=-1)
     finally:
         model.train(was_training)
@@ -426,7 +441,7 @@ def sample_paths(model, tok, prompt_ids: Sequence[int], *, n: int = 1, do_sample
                        stop=list(stop), tokenizer=tok, seed=seed)
     except GenerationError as e:
         raise PromptError(str(e)) from None
-    skip = ids.shape[1] if model.config.arch == "decoder" else 1  # the prompt, or the decoder start token
+    skip = ids.shape[1] if not layout_of(model.config).encoder_decoder else 1  # the prompt, or the decoder start
     texts = []
     for row in out.tolist():
         new = row[skip:]
@@ -461,13 +476,13 @@ def chain_of_thought(model, tok, prompt: FewShotPrompt, records: Sequence[Record
     ``stop`` defaults to the prompt's separator (the model starting a new example), none with ``chat``.
     The prompt plus ``max_new_tokens`` must fit the context window (``fit`` as in :func:`classify`).
     """
-    if model.config.arch == "encoder":
+    if not layout_of(model.config).writes_text:
         raise PromptError("chain-of-thought needs a model that generates (decoder or encoder-decoder)")
     do_sample = k > 1 if do_sample is None else do_sample
     if stop is None:
         stop = [prompt.sep] if chat is None and prompt.sep else []
     asm = _Assembler(model, tok, prompt, chat=chat, system=system, add_bos=add_bos, max_len=max_len, fit=fit)
-    encdec = model.config.arch == "encoder-decoder"
+    encdec = layout_of(model.config).encoder_decoder
     groups, used = asm.groups(records, [0 if encdec else max_new_tokens] * len(records))
     prompts: dict[int, list[int]] = {i: g.prefix + q for g in groups for i, q in zip(g.members, g.queries)}
     was_training = model.training

@@ -19,26 +19,21 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-
-IGNORE = -100
-ARCH_NAMES = {"encoder": "an encoder-only", "decoder": "a decoder-only", "encoder-decoder": "an encoder-decoder"}
+from ..model.layout import IGNORE, check_family
 
 
 class Objective(nn.Module):
     """Base class. Subclasses set ``name``, ``archs`` (families that can serve it) and ``why``."""
 
     name: ClassVar[str]
-    archs: ClassVar[tuple[str, ...]]
+    archs: ClassVar[tuple[str, ...]]  # the model families (ModelConfig.arch values) that can serve it
     why: ClassVar[str] = ""  # one sentence: what the objective needs from the architecture
     corrupts: ClassVar[bool] = True  # has random corruption (dynamic vs static masking applies)
     head: ClassVar[str | None] = None  # the model head the loss reads ("mlm", "lm"), None: none needed
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__()
-        if model_cfg.arch not in self.archs:
-            served = " or ".join(ARCH_NAMES[a] for a in self.archs)
-            raise ConfigError(f"objective {self.name!r} cannot train {ARCH_NAMES[model_cfg.arch]} model "
-                              f"(model.arch={model_cfg.arch!r}): {self.why} It needs {served} model.")
+        check_family(model_cfg, self.archs, who=f"objective {self.name!r}", why=self.why)
         if self.head is not None and model_cfg.head != self.head:
             raise ConfigError(f"objective {self.name!r} trains the model's {self.head} head but the model has "
                               f"head={model_cfg.head!r}: set model.head={self.head}")
@@ -90,6 +85,11 @@ class Objective(nn.Module):
         """(Σ_term weight · sum_term / totals[term], stats) where stats holds summed floats for logging:
         ``<term>_loss`` (sum of per-target losses) and optionally ``<term>_correct``."""
         raise NotImplementedError
+
+    def records(self) -> dict:
+        """ModelConfig fields the trained model should carry about how it was trained (e.g. a decoder's
+        ``decoder_layout``), set on the model before it is saved."""
+        return {}
 
     def finetunable(self, model):
         """The model to save as the run's result (ELECTRA: the discriminator, which *is* ``model``)."""

@@ -32,6 +32,9 @@ class CausalLM(Objective):
     why = "causal LM predicts each token from the ones before it with a single causal stack;"
     corrupts = False
 
+    def records(self):
+        return {"decoder_layout": "causal"}
+
     def doc_separator(self):
         return self.tok.eos_id if self.tok.eos_id is not None else self.tok.sep_id
 

@@ -1,9 +1,9 @@
 """Text-to-text objectives: T5's span corruption and its variants, BART denoising, prefix LM.
 
-Each turns a block into a (source, target) pair. An encoder-decoder reads ``source + EOS`` and
-predicts ``target + EOS`` (decoder input = start token + target). A decoder-only model reads
-``source [SEP] target EOS`` as one sequence with a prefix-LM mask (bidirectional over the source,
-as in T5's decoder-only variants, Raffel et al. 2019 §3.2.1) and is trained on the target part.
+Each turns a block into a (source, target) pair, which the model's layout (model/layout.py) packs: an
+encoder-decoder reads ``source + EOS`` and predicts ``target + EOS`` (decoder input = start token + target); a
+decoder-only model reads ``source EOS target EOS`` as one sequence with a prefix-LM mask (bidirectional over the
+source, as in T5's decoder-only variants, Raffel et al. 2019 §3.2.1) and is trained on the target part.
 """
 
 from __future__ import annotations
@@ -11,17 +11,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ConfigError
+from ..model.layout import layout_of
 from . import bart, t5
 from .base import IGNORE, Objective
 from .lm import lm_loss_sum
 
 
 class Seq2Seq(Objective):
-    """Base: ``corrupt(tokens, rng, block) -> (source, target)``; subclasses define the corruption."""
+    """Base: ``corrupt(tokens, rng, block) -> (source, target)``; subclasses define the corruption. The model's
+    layout (model/layout.py) packs the pair: an encoder-decoder splits it over its two stacks, a decoder-only model
+    reads it as one prefix-LM sequence (and its checkpoint records ``decoder_layout=prefix_lm``)."""
 
     archs = ("encoder-decoder", "decoder")
     head = "lm"
     why = "it maps a corrupted input to a target text, which needs a decoder;"
+    continuation = False  # the target continues the source's text (prefix LM): no separator, no final EOS
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
@@ -29,14 +33,18 @@ class Seq2Seq(Objective):
         if self.eos is None:
             raise ConfigError(f"objective {self.name!r} needs an EOS (or SEP) token; the tokenizer has neither")
         self.start = model_cfg.decoder_start_token_id
+        self.layout = layout_of(model_cfg, "prefix_lm")  # decoders: T5's prefix LM (Raffel et al. 2019 §3.2.1)
+
+    def records(self) -> dict:
+        return {"decoder_layout": "prefix_lm"} if not self.layout.encoder_decoder else {}
 
     def n_special_tokens(self) -> int:
         return 1
 
     def block_size(self, max_seq_len: int) -> int:
-        if self.model_cfg.arch == "decoder":  # source and target share one sequence
-            return (max_seq_len - 2) // 2
-        return max_seq_len - 1
+        if self.layout.encoder_decoder:
+            return max_seq_len - 1
+        return (max_seq_len - 2) // 2  # source and target share one sequence
 
     def doc_separator(self):
         return self.eos
@@ -46,43 +54,16 @@ class Seq2Seq(Objective):
 
     def example(self, block, rng, random_block):
         src, tgt = self.corrupt(block.tokens.astype(np.int64), rng, block)
-        src, tgt = src.astype(np.int64), tgt.astype(np.int64)
-        eos = np.array([self.eos], dtype=np.int64)
-        if self.model_cfg.arch == "decoder":
-            return self._decoder_example(src, tgt, eos)
-        source = np.concatenate([src, eos])
-        target = np.concatenate([tgt, eos])
-        return {"input_ids": source, "attention_mask": np.ones_like(source),
-                "decoder_input_ids": np.concatenate([[self.start], target[:-1]]).astype(np.int64),
-                "decoder_attention_mask": np.ones_like(target), "labels": target}
-
-    def _decoder_example(self, src, tgt, eos):
-        ids = np.concatenate([src, eos, tgt, eos])
-        prefix = len(src) + 1
-        labels = ids.copy()
-        labels[:prefix] = IGNORE
-        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels,
-                "prefix_lengths": np.int64(prefix)}
+        return self.layout.example(src.astype(np.int64), tgt.astype(np.int64), eos=self.eos, start=self.start,
+                                   continuation=self.continuation)
 
     def counts(self, batch):
-        labels = batch["labels"]
-        if self.model_cfg.arch == "decoder":
-            labels = labels[:, 1:]
-        return {"lm": int((labels != IGNORE).sum())}
+        return {"lm": self.layout.count_targets(batch)}
 
     def loss(self, model, batch, totals):
-        tr = model.transformer
-        if self.model_cfg.arch == "decoder":
-            h = tr.decode(batch["input_ids"], batch["attention_mask"], prefix_lengths=batch["prefix_lengths"])
-            h, targets = h[:, :-1], batch["labels"][:, 1:]
-        else:
-            memory = tr.encode(batch["input_ids"], batch["attention_mask"])  # (B, S, dim)
-            h = tr.decode(batch["decoder_input_ids"], batch["decoder_attention_mask"], memory=memory,
-                          memory_mask=batch["attention_mask"])  # (B, T, dim)
-            targets = batch["labels"]
-        targets = targets.reshape(-1)
+        h, targets = self.layout.lm_inputs(model, batch)
         n = int((targets != IGNORE).sum())
-        s, correct = lm_loss_sum(model, h.reshape(-1, h.shape[-1]), targets, n)
+        s, correct = lm_loss_sum(model, h, targets, n)
         stats = {"lm_loss": float(s.detach())}
         if correct is not None:
             stats["lm_correct"] = float(correct)
@@ -193,16 +174,10 @@ class PrefixLM(Seq2Seq):
     name = "prefix_lm"
     why = "the continuation is generated by a decoder;"
     corrupts = True  # the split point is random
+    continuation = True
 
     def block_size(self, max_seq_len: int) -> int:
-        return max_seq_len if self.model_cfg.arch == "decoder" else max_seq_len - 1
+        return max_seq_len - 1 if self.layout.encoder_decoder else max_seq_len
 
     def corrupt(self, tokens, rng, block):
         return t5.prefix_lm_split(tokens, rng, split=self.cfg.prefix_split or None)
-
-    def _decoder_example(self, src, tgt, eos):
-        ids = np.concatenate([src, tgt])
-        labels = ids.copy()
-        labels[: len(src)] = IGNORE
-        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels,
-                "prefix_lengths": np.int64(len(src))}

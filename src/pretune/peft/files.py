@@ -256,10 +256,13 @@ def _hf_out_rows(model, module: str, fallback: int) -> int:
 
 
 def _task_type(cfg) -> str | None:
+    """peft's ``task_type`` of the model an adapter belongs to."""
+    from ..model.layout import layout_of
+
     if cfg.head in _TASK_TYPES:
         return _TASK_TYPES[cfg.head]
     if cfg.head == "lm":
-        return "SEQ_2_SEQ_LM" if cfg.arch == "encoder-decoder" else "CAUSAL_LM"
+        return layout_of(cfg).peft_task_type
     return None
 
 

@@ -10,15 +10,18 @@ per record, which ``tasks.metrics`` scores.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..data.readers import DataError
+from ..data.records import Record, read_records  # re-exported: tasks read their data as records
+from ..data.records import get_field as _get_field
+from ..model.layout import layout_of
 from ..objectives.base import IGNORE, Objective
+
+__all__ = ["Task", "TaskConfig", "Layout", "Record", "read_records", "get_field", "IGNORE"]
 
 TaskName = Literal["classification", "pair", "regression", "tagging", "qa", "seq2seq", "choice"]
 
@@ -51,39 +54,15 @@ class TaskConfig:
     metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
     choices: list[str] = field(default_factory=list)  # choice: answer text per label, in label order; empty: labels
     choice_loss: str = "tfew"  # choice: tfew (L_LM + L_UL + L_LN, Liu et al. 2022) or lm (L_LM only)
-
-
-@dataclass
-class Record:
-    """One labelled row: where it came from (``file:line``) and its raw fields."""
-
-    where: str
-    data: dict
-
-
-def read_records(path: str | Path, *, errors: str = "strict") -> list[Record]:
-    """Every record of a JSONL/CSV/TSV/Parquet file; an empty file is an error naming it."""
-    from ..data.readers import iter_records
-
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    return [Record(f"{path.name}:{n}", rec) for n, rec in iter_records(path, errors=errors)]
+    layout: Literal["auto", "causal", "prefix_lm"] = "auto"  # seq2seq/choice on a decoder-only model: how source
+    # and target share its sequence; auto: as the model was pretrained (ModelConfig.decoder_layout, model/layout.py)
 
 
 def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, what: str = "") -> Any:
-    """``rec.data[name]`` checked for presence and type; errors name the row and the fields it has."""
-    if name not in rec.data or rec.data[name] is None:
-        have = ", ".join(sorted(map(str, rec.data))) or "none"
-        raise DataError(f"{rec.where}: missing field {name!r}{f' ({what})' if what else ''}; the record has: {have}. "
-                        f"Set the task's field name (e.g. task.{_field_key(name)}=...)")
-    value = rec.data[name]
-    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise DataError(f"{rec.where}: field {name!r} should be {names}, got {type(value).__name__} {value!r:.60}")
-    return value
+    """``rec.data[name]`` checked for presence and type (data/records.py); a missing field's error says which
+    task setting names it."""
+    return _get_field(rec, name, kind, what=what,
+                      hint=f"Set the task's field name (e.g. task.{_field_key(name)}=...)")
 
 
 def _field_key(name: str) -> str:
@@ -188,14 +167,15 @@ class Layout:
     """
 
     def __init__(self, tok, model_cfg, style: str = "auto"):
-        arch = model_cfg.arch
+        layout = layout_of(model_cfg)
         if style == "auto":
-            style = {"encoder": "bert", "decoder": "gpt", "encoder-decoder": "t5"}[arch]
-        if style == "bert" and arch == "decoder":
+            style = layout.pair_style
+        if style == "bert" and not layout.bidirectional:
             raise ConfigError("task.pair_style='bert' needs an encoder: a decoder only sees to the left, so its "
                               "[CLS] would see nothing; use pair_style=gpt (or auto)")
-        if style == "gpt" and arch != "decoder":
-            raise ConfigError(f"task.pair_style='gpt' is the decoder-only input format; the model is {arch}")
+        if style == "gpt" and layout.bidirectional:
+            raise ConfigError(f"task.pair_style='gpt' is the decoder-only input format; the model is "
+                              f"{model_cfg.family}")
         self.style = style
 
         def first(*ids):

@@ -1,8 +1,9 @@
 """Classification by scoring answer choices with the language model itself (T-Few, Liu et al. 2022).
 
 Each label has an answer choice (a label word such as "positive", or the label itself). The model reads
-``prefix + text`` (an encoder-decoder's encoder; a decoder reads ``text EOS choice EOS`` as a prefix LM)
-and every choice is scored by its length-normalised log-likelihood
+``prefix + text`` and every choice is laid out after it by the model's layout (model/layout.py: an encoder-decoder's
+encoder reads the text and its decoder the choice; a decoder reads ``text choice EOS``, causally or as a prefix LM,
+as it was pretrained) and every choice is scored by its length-normalised log-likelihood
 ``beta(x, y) = (1/T) sum_t log p(y_t | x, y_<t)``; the prediction is the best-scoring choice.
 
 Training uses the T-Few recipe's three losses (``task.choice_loss=tfew``, the default):
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..objectives.base import IGNORE
+from ..model.layout import IGNORE, layout_of
 from .base import Record, Task, get_field
 from .classify import Classification, _label_str
 
@@ -48,9 +49,9 @@ class Choice(Task):
         self.eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
         if self.eos is None:
             raise ConfigError("task choice needs an EOS (or SEP) token; the tokenizer has neither")
-        self.start = model_cfg.decoder_start_token_id
+        self.layout = layout_of(model_cfg, cfg.layout)
         texts = list(cfg.choices) or self.labels
-        lead = " " if model_cfg.arch == "decoder" else ""  # a word after the EOS, as in running text
+        lead = self.layout.target_lead  # causal decoders: the answer continues the text, after a space
         ids = [tokenizer.tk.encode(lead + t, add_special_tokens=False).ids + [self.eos] for t in texts]
         if any(len(i) == 1 for i in ids):
             raise ConfigError(f"an answer choice encodes to no tokens: {texts}")
@@ -60,16 +61,18 @@ class Choice(Task):
             self.choice_ids[c, : len(row)] = torch.tensor(row)
         self.choice_texts = texts
 
+    def records(self) -> dict:
+        return {} if self.layout.encoder_decoder else {"decoder_layout": self.layout.name}
+
     @classmethod
     def label_set(cls, cfg, records: list[Record]) -> list[str]:
         return Classification.label_set(cfg, records)
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         text = get_field(rec, self.cfg.text_field)
-        room = self.max_len - 1 - (self.choice_ids.shape[1] if self.model_cfg.arch == "decoder" else 0)
+        room = self.layout.source_room(self.max_len, self.choice_ids.shape[1])
         ids = self.tok.tk.encode(self.cfg.prefix + text, add_special_tokens=False).ids[: max(room, 1)]
-        source = np.asarray(ids + [self.eos], dtype=np.int64)
-        feat = {"input_ids": source, "attention_mask": np.ones_like(source)}
+        feat = self.layout.prompt(np.asarray(ids, dtype=np.int64), eos=self.eos)
         if labelled:
             label = _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
             if label not in self.label_ids:
@@ -83,39 +86,9 @@ class Choice(Task):
 
     def token_logprobs(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """log p of every choice token given each input: (B, C, L) and the token mask (C, L)."""
-        x, mask = batch["input_ids"], batch["attention_mask"]
-        B, C = x.shape[0], self.choice_ids.shape[0]
-        choices = self.choice_ids.to(x.device)  # (C, L)
-        valid = choices != IGNORE
-        tokens = choices.clamp(min=0)
-        tr = model.transformer
-        if self.model_cfg.arch == "encoder-decoder":
-            memory = tr.encode(x, mask).repeat_interleave(C, dim=0)  # (B*C, S, dim)
-            dec_in = torch.cat([torch.full((C, 1), self.start, device=x.device), tokens[:, :-1]], 1)
-            dec_in = torch.where(torch.cat([torch.ones(C, 1, dtype=torch.bool, device=x.device), valid[:, :-1]], 1),
-                                 dec_in, torch.full_like(dec_in, self.pad_id))
-            h = tr.decode(dec_in.repeat(B, 1), valid.long().repeat(B, 1), memory=memory,
-                          memory_mask=mask.repeat_interleave(C, dim=0))  # (B*C, L, dim)
-        else:  # one row per (input, choice): [source, choice], the source bidirectional (prefix LM)
-            lengths = mask.sum(1)  # (B,)
-            S, L = x.shape[1], tokens.shape[1]
-            rows = torch.full((B, C, S + L), self.pad_id, dtype=torch.long, device=x.device)
-            row_mask = torch.zeros(B, C, S + L, dtype=torch.long, device=x.device)
-            for b in range(B):  # left-aligned: source then choice; the rest padding
-                n = int(lengths[b])
-                rows[b, :, :n] = x[b, :n]
-                rows[b, :, n:n + L] = tokens
-                row_mask[b, :, :n] = 1
-                row_mask[b, :, n:n + L] = valid.long()
-            flat = rows.view(B * C, S + L)
-            hidden = tr.decode(flat, row_mask.view(B * C, -1), prefix_lengths=lengths.repeat_interleave(C))
-            # the states that predict choice token t sit at position n - 1 + t
-            at = (lengths[:, None] - 1 + torch.arange(L, device=x.device)[None, :])  # (B, L)
-            at = at.repeat_interleave(C, dim=0)  # (B*C, L)
-            h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = model.head(h).float()  # (B*C, L, vocab)
-        logp = logits.log_softmax(-1).gather(-1, tokens.repeat(B, 1)[..., None]).squeeze(-1)
-        return logp.view(B, C, -1) * valid, valid
+        choices = self.choice_ids.to(batch["input_ids"].device)  # (C, L)
+        logp = self.layout.continuation_logprobs(model, batch["input_ids"], batch["attention_mask"], choices)
+        return logp, choices != IGNORE
 
     def scores(self, logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Length-normalised log-likelihood beta(x, choice): (B, C)."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..data.readers import DataError
+from ..model.layout import layout_of
 from . import qa_spans
 from .base import Record, Task, get_field
 
@@ -26,11 +27,11 @@ class QA(Task):
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
         roles = getattr(tokenizer, "roles", None) or {}
+        encoder = layout_of(model_cfg).pair_style == "bert"  # a [CLS]-style encoder (not a decoder, not T5)
         # RoBERTa/BART vocabularies: <s> question </s></s> context </s> (Hugging Face's layout); else BERT's
-        self.layout = ("roberta" if model_cfg.arch == "encoder" and roles.get("cls") == "<s>"
-                       and roles.get("sep") == "</s>" else "bert")
+        self.layout = ("roberta" if encoder and roles.get("cls") == "<s>" and roles.get("sep") == "</s>" else "bert")
         # segment ids (question 0, context 1) need a second token type: RoBERTa's one type reads 0 everywhere
-        self.use_types = model_cfg.token_types >= 2 and model_cfg.arch == "encoder" and self.layout == "bert"
+        self.use_types = model_cfg.token_types >= 2 and encoder and self.layout == "bert"
         try:  # the window arithmetic and the special tokens, checked before any data is read
             qa_spans._special_ids(tokenizer)
             qa_spans._budget(self.max_len, cfg.stride, 4 if self.layout == "roberta" else 3, None)

@@ -1,10 +1,11 @@
 """Text-to-text finetuning (T5): "task prefix: input" → output text, for encoder-decoders and decoders.
 
-An encoder-decoder reads ``prefix + source + EOS`` and is trained on ``target + EOS``; a decoder-only
-model reads ``source EOS target EOS`` as one sequence, bidirectional over the source (prefix LM), and
-is trained on the target part — the same layouts as the pretraining objectives (objectives/seq2seq.py).
-Predictions are generated greedily; classification by generating the label word is this task with the
-label as the target (``task.target_field=label``), scored by exact match.
+The model's layout (model/layout.py) packs each (source, target) pair: an encoder-decoder reads
+``prefix + source + EOS`` and is trained on ``target + EOS``; a decoder-only model reads them as one sequence,
+laid out as it was pretrained (``causal``: ``source target EOS``; ``prefix_lm``: ``source EOS target EOS``,
+bidirectional over the source; ``task.layout`` overrides), and is trained on the target part. Predictions are
+generated greedily by the main ``generate()`` (batched, KV cache, stopping at EOS); classification by generating
+the label word is this task with the label as the target (``task.target_field=label``), scored by exact match.
 """
 
 from __future__ import annotations
@@ -12,86 +13,83 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..model import KVCache
-from ..objectives.seq2seq import Seq2Seq as _Seq2SeqObjective
+from ..config import ConfigError
+from ..generation.decode import generate
+from ..model.layout import IGNORE, layout_of
+from ..objectives.lm import lm_loss_sum
 from .base import Record, Task, get_field
 
 
-class Seq2Seq(Task, _Seq2SeqObjective):
+class Seq2Seq(Task):
     name = "seq2seq"
     model_head = "lm"
     archs = ("encoder-decoder", "decoder")
     why = "text-to-text needs a decoder to write the output;"
     term = "lm"
-    counts = _Seq2SeqObjective.counts
-    loss = _Seq2SeqObjective.loss
+
+    def __init__(self, cfg, model_cfg, tokenizer):
+        super().__init__(cfg, model_cfg, tokenizer)
+        self.eos = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
+        if self.eos is None:
+            raise ConfigError(f"task {self.name!r} needs an EOS (or SEP) token; the tokenizer has neither")
+        self.start = model_cfg.decoder_start_token_id
+        self.layout = layout_of(model_cfg, cfg.layout)
+
+    def records(self) -> dict:
+        return {} if self.layout.encoder_decoder else {"decoder_layout": self.layout.name}
 
     def source_ids(self, rec: Record) -> np.ndarray:
         text = get_field(rec, self.cfg.source_field)
         ids = self.tok.tk.encode(self.cfg.prefix + text, add_special_tokens=False).ids
-        room = self.max_len - 1 - (self.cfg.max_target_len if self.model_cfg.arch == "decoder" else 0)
+        room = self.layout.source_room(self.max_len, self.cfg.max_target_len)
         return np.asarray(ids[: max(room, 1)], dtype=np.int64)
 
     def target_ids(self, rec: Record) -> np.ndarray:
         text = get_field(rec, self.cfg.target_field, (str, int, float))
-        ids = self.tok.tk.encode(str(text), add_special_tokens=False).ids
+        ids = self.tok.tk.encode(self.layout.target_lead + str(text), add_special_tokens=False).ids
         return np.asarray(ids[: self.cfg.max_target_len - 1], dtype=np.int64)
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         src = self.source_ids(rec)
-        eos = np.array([self.eos], dtype=np.int64)
-        if labelled:
-            tgt = self.target_ids(rec)
-            if self.model_cfg.arch == "decoder":
-                return [self._decoder_example(src, tgt, eos)]
-            source, target = np.concatenate([src, eos]), np.concatenate([tgt, eos])
-            return [{"input_ids": source, "attention_mask": np.ones_like(source),
-                     "decoder_input_ids": np.concatenate([[self.start], target[:-1]]).astype(np.int64),
-                     "decoder_attention_mask": np.ones_like(target), "labels": target}]
-        source = np.concatenate([src, eos])
-        feat = {"input_ids": source, "attention_mask": np.ones_like(source)}
-        if self.model_cfg.arch == "decoder":
-            feat["prefix_lengths"] = np.int64(len(source))
+        prompt = self.layout.prompt(src, eos=self.eos)
+        if not labelled:
+            return [prompt]
+        feat = self.layout.example(src, self.target_ids(rec), eos=self.eos, start=self.start)
+        if not self.layout.encoder_decoder:  # the generation prompt is the first tokens of the training sequence
+            feat["prompt_len"] = np.int64(len(prompt["input_ids"]))
         return [feat]
+
+    def counts(self, batch):
+        return {self.term: self.layout.count_targets(batch)}
+
+    def loss(self, model, batch, totals):
+        h, targets = self.layout.lm_inputs(model, batch)
+        n = int((targets != IGNORE).sum())
+        s, correct = lm_loss_sum(model, h, targets, n)
+        stats = {"lm_loss": float(s.detach())}
+        if correct is not None:
+            stats["lm_correct"] = float(correct)
+        return s / totals[self.term], stats
 
     @torch.no_grad()
     def generate(self, model, batch, max_new_tokens: int | None = None) -> list[list[int]]:
-        """Greedy decoding with the KV cache: generated ids (EOS excluded) per example."""
+        """Greedy decoding of a batch (``generate()``: left-padded prompts, KV cache): generated ids per example,
+        EOS and what follows it excluded."""
         n = max_new_tokens or self.cfg.max_target_len
-        if self.model_cfg.arch == "decoder":
-            out = []
-            for i in range(batch["input_ids"].shape[0]):
-                k = int(batch["prefix_lengths"][i])
-                prompt = batch["input_ids"][i: i + 1, :k]  # the source and its EOS, without the target
-                o = model(prompt, prefix_lengths=torch.tensor([k], device=prompt.device), use_cache=True)
-                ids: list[int] = []
-                for _ in range(n):
-                    nxt = int(o.logits[0, -1].argmax())
-                    if nxt == self.eos:
-                        break
-                    ids.append(nxt)
-                    o = model(torch.tensor([[nxt]], device=prompt.device), past_key_values=o.past_key_values,
-                              use_cache=True)
-                out.append(ids)
-            return out
-        x, mask = batch["input_ids"], batch["attention_mask"]
-        memory = model.transformer.encode(x, mask)
-        cache = KVCache()
-        cur = torch.full((x.shape[0], 1), self.start, dtype=torch.long, device=x.device)
-        done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        steps = []
-        for _ in range(n):
-            o = model(x, mask, decoder_input_ids=cur, encoder_hidden_states=memory, past_key_values=cache,
-                      use_cache=True)
-            nxt = o.logits[:, -1].argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, self.eos), nxt)
-            steps.append(nxt)
-            done |= nxt == self.eos
-            if bool(done.all()):
-                break
-            cur = nxt[:, None]
-        gen = torch.stack(steps, 1).tolist()
-        return [row[: row.index(self.eos)] if self.eos in row else row for row in gen]
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if not self.layout.encoder_decoder:  # decoders: each row's prompt, left-padded
+            lengths = batch["prompt_len"] if "prompt_len" in batch else mask.sum(1)
+            width = int(lengths.max())
+            left = torch.full((ids.shape[0], width), self.pad_id, dtype=torch.long, device=ids.device)
+            left_mask = torch.zeros_like(left)
+            for i, k in enumerate(lengths.tolist()):
+                left[i, width - k:] = ids[i, :k]
+                left_mask[i, width - k:] = 1
+            ids, mask = left, left_mask
+        out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=self.eos, pad_token_id=self.pad_id,
+                       layout=self.layout.name)
+        rows = self.layout.new_tokens(out, ids.shape[1]).tolist()
+        return [row[: row.index(self.eos)] if self.eos in row else row for row in rows]
 
     def outputs(self, model, batch):
         return self.generate(model, batch)

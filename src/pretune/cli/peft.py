@@ -6,13 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from .config import METHOD_HELP
+from ..peft.config import METHOD_HELP
 
 
 def cmd_merge(args) -> int:
     from ..checkpoint import save
     from ..loading import TASK_FILE, folder_kind, load_pretrained
-    from .inject import PeftError
+    from ..peft.inject import PeftError
 
     if folder_kind(args.adapter) != "adapter":
         raise PeftError(f"{args.adapter} is not an adapter folder (no adapter_model.safetensors with "
@@ -29,7 +29,7 @@ def cmd_merge(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .files import META_FILE, PEFT_CONFIG_FILE, WEIGHTS_FILE, read_meta
+    from ..peft.files import META_FILE, PEFT_CONFIG_FILE, WEIGHTS_FILE, read_meta
 
     path = Path(args.adapter)
     meta = read_meta(path)
@@ -40,7 +40,7 @@ def cmd_info(args) -> int:
               f"targets {cfg.get('target_modules')}), {size / 1e6:.2f} MB")
         return 0
     if meta is None:
-        from .inject import PeftError
+        from ..peft.inject import PeftError
 
         raise PeftError(f"{path}: no {META_FILE} or {PEFT_CONFIG_FILE} (not an adapter folder)")
     p = meta["peft"]

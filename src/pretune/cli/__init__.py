@@ -55,16 +55,16 @@ OVERRIDE = re.compile(r"^-{0,2}[A-Za-z_]\w*\.[\w.]+=")  # a `section.key=value` 
 
 def _load_any(spec: str):
     """A preset name, or any model folder (pretune, Hugging Face, adapter) -> (config, model or None)."""
-    from .loading import load
-    from .presets import PRESETS, get_preset
+    from ..loading import load
+    from ..presets import PRESETS, get_preset
 
     if spec in PRESETS:
         return get_preset(spec), None
     if Path(spec).is_dir():
         model = load(spec)
         return model.config, model
-    from .config import ConfigError, _did_you_mean
-    from .presets import preset_names
+    from ..config import ConfigError, _did_you_mean
+    from ..presets import preset_names
 
     raise ConfigError(f"{spec!r} is neither a preset nor a folder{_did_you_mean(spec, preset_names())}")
 
@@ -72,16 +72,15 @@ def _load_any(spec: str):
 def cmd_show(args) -> int:
     import torch
 
-    from .model import TransformerLM, count_parameters
+    from ..model import TransformerLM, count_parameters
 
     cfg, model = _load_any(args.target)
     if model is None:
         with torch.device("meta"):  # no memory, no init time: counts only
             model = TransformerLM(cfg)
     counts = count_parameters(model)
-    fam = {"encoder": "encoder-only", "decoder": "decoder-only", "encoder-decoder": "encoder-decoder"}[cfg.arch]
-    print(f"{args.target}: {fam} transformer")
-    layers = f"{cfg.n_layers}" if cfg.arch != "encoder-decoder" else f"{cfg.n_layers} enc + {cfg.decoder_layers} dec"
+    print(f"{args.target}: {cfg.family} transformer")
+    layers = cfg.layers_text
     attn = f"{cfg.n_heads} heads x {cfg.dh}"
     if cfg.kv_heads != cfg.n_heads:
         attn += f", {cfg.kv_heads} kv heads (GQA)"
@@ -108,9 +107,9 @@ def cmd_show(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .checkpoint import save
-    from .interop import TOKENIZER_FILES, to_hf
-    from .loading import folder_kind, load
+    from ..checkpoint import save
+    from ..interop import TOKENIZER_FILES, to_hf
+    from ..loading import folder_kind, load
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise SystemExit("pretune convert: give exactly one of --from-hf DIR or --to-hf DIR")
@@ -118,7 +117,7 @@ def cmd_convert(args) -> int:
         src = Path(args.from_hf)
         kind = folder_kind(src)
         if kind != "transformers":
-            from .interop import InteropError
+            from ..interop import InteropError
 
             raise InteropError(f"{src} is a {kind} folder, not a Hugging Face one (its config.json names no "
                                "model_type); --to-hf exports a pretune checkpoint")
@@ -130,7 +129,7 @@ def cmd_convert(args) -> int:
         src = Path(args.to_hf)
         kind = folder_kind(src)
         if kind == "transformers":
-            from .interop import InteropError
+            from ..interop import InteropError
 
             raise InteropError(f"{src} is already a Hugging Face folder; --from-hf imports it")
         model = load(src, merge=True)  # an adapter folder exports as its base with the adapter folded in
@@ -141,24 +140,24 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench.model import bench_model, format_rows
+    from ..bench.model import bench_model, format_rows
 
     rows = bench_model(families=args.models, dtypes=args.dtypes, rounds=args.rounds, steps=args.steps,
                        warmup=args.warmup, batch=args.batch, seq=args.seq, threads=args.threads,
                        dropout=args.dropout)
-    from .bench.common import report
+    from ..bench.common import report
 
     return report(rows, format_rows(rows), args.json)
 
 
 def cmd_bench_pretrain(args) -> int:
-    from .bench.pretrain import run_cli
+    from ..bench.pretrain import run_cli
 
     return run_cli(args)
 
 
 def cmd_tokenizer_train(args) -> int:
-    from .tokenization import train_tokenizer
+    from ..tokenization import train_tokenizer
 
     lower = None if args.lowercase is None else args.lowercase == "yes"
     tok = train_tokenizer(args.files, kind=args.kind, vocab_size=args.vocab_size, specials=args.specials,
@@ -173,7 +172,7 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_tokenizer_encode(args) -> int:
-    from .tokenization import Tokenizer
+    from ..tokenization import Tokenizer
 
     tok = Tokenizer.load(args.tokenizer)
     for text in args.texts:
@@ -184,7 +183,7 @@ def cmd_tokenizer_encode(args) -> int:
 
 
 def cmd_data_clean(args) -> int:
-    from .data.clean import RULES, CleanConfig, clean_files
+    from ..data.clean import RULES, CleanConfig, clean_files
 
     off = set(args.no or [])
     cfg = CleanConfig(bad_words_file=args.bad_words, min_words=args.min_words, min_sentences=args.min_sentences,
@@ -202,9 +201,9 @@ def cmd_data_clean(args) -> int:
 def cmd_data_tokenize(args) -> int:
     import time
 
-    from .data.readers import count_bytes, expand_sources, iter_documents
-    from .data.store import build_store, store_stats
-    from .tokenization import Tokenizer, tokenizer_sha
+    from ..data.readers import count_bytes, expand_sources, iter_documents
+    from ..data.store import build_store, store_stats
+    from ..tokenization import Tokenizer, tokenizer_sha
 
     tok = Tokenizer.load(args.tokenizer)
     paths = expand_sources(args.sources)
@@ -226,8 +225,8 @@ def cmd_data_tokenize(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from .pretrain import pretrain
-    from .runconfig import load_run_config
+    from ..pretrain import pretrain
+    from ..runconfig import load_run_config
 
     base: dict = {}
     if args.preset:
@@ -258,7 +257,7 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_finetune(args) -> int:
-    from .finetune import finetune, load_finetune_config
+    from ..finetune import finetune, load_finetune_config
 
     base: dict = {}
     if args.model:
@@ -300,7 +299,7 @@ def _task_overrides(args) -> dict:
     for item in getattr(args, "set", None) or []:
         key, _, value = item.partition("=")
         if not _ or not key:
-            from .config import ConfigError
+            from ..config import ConfigError
 
             raise ConfigError(f"--set {item!r} must look like field=value (e.g. text_field=sentence)")
         out[key.removeprefix("task.")] = int(value) if value.isdigit() else value
@@ -308,7 +307,7 @@ def _task_overrides(args) -> dict:
 
 
 def cmd_evaluate(args) -> int:
-    from .finetune import evaluate, format_scores
+    from ..finetune import evaluate, format_scores
 
     metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                        precision=args.precision, show_progress=not args.quiet, base=args.base or "")
@@ -320,7 +319,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from .finetune import predict
+    from ..finetune import predict
 
     n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                 precision=args.precision, show_progress=not args.quiet, base=args.base or "")
@@ -329,14 +328,14 @@ def cmd_predict(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from .quickstart import run_quickstart
+    from ..quickstart import run_quickstart
 
     run_quickstart(args.out, fast=args.fast, seed=args.seed, minilm=not args.no_minilm, show_progress=not args.quiet)
     return 0
 
 
 def cmd_data_bundled(args) -> int:
-    from . import bundled
+    from .. import bundled
 
     if args.copy:
         copied = bundled.copy_to(args.copy)
@@ -354,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretune", description="Pretrain once, finetune many times: "
                                 "transformer language models end to end.", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from . import __version__
+    from .. import __version__
 
     p.add_argument("--version", action="version", version=f"pretune {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -378,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("bench", help="benchmarks against the reference implementations")
-    from .bench.common import add_run_arguments
+    from ..bench.common import add_run_arguments
 
     bsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
     b = bsub.add_parser("model", help="forward+backward tokens/s and MFU: pretune vs transformers",
@@ -402,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "BertForMaskedLM + DataCollatorForLanguageModeling on the same blocks of the bundled "
                         "corpus, each run in its own process, alternating; also times tokenizing the corpus "
                         "into a token store.")
-    from .bench.pretrain import add_arguments
+    from ..bench.pretrain import add_arguments
 
     add_arguments(b)
     b.set_defaults(func=cmd_bench_pretrain)
@@ -467,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="non-UTF-8 bytes: stop with file and byte offset (strict) or replace with U+FFFD")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    from .data.clean import RULES
+    from ..data.clean import RULES
 
     d = dsub.add_parser("clean", help="C4-style cleaning with a report of what each rule removed",
                         description="Apply the C4 cleaning rules (Raffel et al. 2019 §2.2), each switchable with "
@@ -576,15 +575,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_embed_parser(sub)
 
-    from .peft.cli import add_peft_parser
+    from .peft import add_peft_parser
 
     add_peft_parser(sub)
 
-    from .generation.prompt_cli import add_prompt_parser
+    from .prompt import add_prompt_parser
 
     add_prompt_parser(sub)
 
-    from .generation.cli import add_generate_parser
+    from .generate import add_generate_parser
 
     add_generate_parser(sub)
 
@@ -606,9 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .interop import InteropError
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+    from ..interop import InteropError
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -619,10 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("pretrain", "finetune"):
         args.overrides = overrides
-    from .data.readers import DataError
-    from .data.store import StoreError
-    from .tokenization import TokenizerError
-    from .train.loop import TrainingDiverged
+    from ..data.readers import DataError
+    from ..data.store import StoreError
+    from ..tokenization import TokenizerError
+    from ..train.loop import TrainingDiverged
 
     try:
         return args.func(args) or 0

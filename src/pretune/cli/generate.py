@@ -32,7 +32,7 @@ examples:
 
 
 def _unescape(text: str | None) -> str | None:
-    from .prompt_cli import unescape
+    from .prompt import unescape
 
     return unescape(text)
 
@@ -102,23 +102,6 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
-def prompt_ids(text: str, tok, *, arch: str, chat_source=None, system: str | None = None,
-               add_bos: bool | None = None) -> list[int]:
-    """Token ids of one prompt. Decoders: [BOS per ``add_bos``] + text; encoder-decoders: text + EOS (what
-    T5 was trained to read). ``chat_source``: render the text as a user turn of that chat template first
-    (its special-token strings become their ids; nothing else is added)."""
-    if chat_source is not None:
-        from .prompt import apply_chat_template
-
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        return tok.encode(apply_chat_template(chat_source, messages))
-    if arch == "encoder-decoder":
-        return tok.encode(text) + ([tok.eos_id] if tok.eos_id is not None else [])
-    from .scoring import lead_ids
-
-    return lead_ids(tok, add_bos) + tok.encode(text)
-
-
 class TextStreamer:
     """Prints the text of a growing token list as it grows: the whole list is decoded each time (so
     multi-token characters and word boundaries come out right) and only the new characters are written;
@@ -157,26 +140,27 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..config import ConfigError
+    from ..generation.decode import generate
+    from ..generation.scoring import _pad, prompt_ids
     from ..loading import load_pretrained
-    from .decode import generate
-    from .scoring import _pad
+    from ..model.layout import layout_of
 
     prompts = _read_prompts(args)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
     model, tok = loaded.model, loaded.tokenizer
-    arch = model.config.arch
+    layout = layout_of(model.config)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model.to(device=device, dtype=dtype).eval()
     chat_source = None
     if args.chat:
-        from .prompt import load_chat_template
+        from ..generation.prompt import load_chat_template
 
         chat_source = load_chat_template(loaded.folders)
     add_bos = {"auto": None, "yes": True, "no": False}[args.bos]
-    encoded = [prompt_ids(p, tok, arch=arch, chat_source=chat_source, system=_unescape(args.system),
+    encoded = [prompt_ids(p, tok, model, chat_source=chat_source, system=_unescape(args.system),
                           add_bos=add_bos) for p in prompts]
     eos = model.config.eos_token_id if model.config.eos_token_id is not None else tok.eos_id
     pad = tok.pad_id if tok.pad_id is not None else (eos if eos is not None else model.config.pad_token_id)
@@ -193,12 +177,12 @@ def cmd_generate(args) -> int:
     results = []
     for start in range(0, len(prompts), args.batch_size):
         rows = encoded[start: start + args.batch_size]
-        ids, mask = _pad(rows, left=arch == "decoder", device=device)  # decoders: left padding
+        ids, mask = _pad(rows, left=not layout.encoder_decoder, device=device)  # decoders: left padding
         streamer = TextStreamer(tok) if stream else None
         out = generate(model, ids, mask, streamer=streamer, **options)
         if streamer is not None:
             streamer.end()
-        new = out[:, ids.shape[1]:] if arch == "decoder" else out[:, 1:]
+        new = layout.new_tokens(out, ids.shape[1])
         for i in range(len(rows)):
             texts = [_text(new[i * n + j].tolist(), tok, eos, pad) for j in range(n)]
             results.append({"prompt": prompts[start + i], "generated": texts})

@@ -13,12 +13,19 @@ import json
 import os
 import re
 import textwrap
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..tasks.base import Record
-from .prompt import ORDERS, FewShotPrompt, PromptError, PromptTemplate, Verbalizer, load_chat_template, select_shots
+from ..data.records import Record
+from ..generation.prompt import (
+    ORDERS,
+    FewShotPrompt,
+    PromptError,
+    PromptTemplate,
+    Verbalizer,
+    load_chat_template,
+    select_shots,
+)
 
 PROMPT_DESCRIPTION = (
     "Evaluate a prompt on a labelled JSONL/CSV/TSV/Parquet file with a decoder (or encoder-decoder) LM, without "
@@ -157,7 +164,7 @@ def add_prompt_parser(sub) -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------------------------- running
 def _records(path: str, limit: int | None, what: str) -> list[Record]:
-    from ..tasks.base import read_records
+    from ..data.records import read_records
 
     recs = read_records(path)
     if not recs:
@@ -175,69 +182,12 @@ def _write_jsonl(rows: Sequence[dict], out: str | Path) -> None:
     os.replace(tmp, out)
 
 
-def evaluate_labels(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, records: Sequence[Record], *,
-                    label_field: str = "label", progress=None, **kw) -> tuple[dict, list[dict]]:
-    """Label-word classification of ``records``: (metrics, one output row per record). ``kw`` goes to
-    :func:`~pretune.generation.scoring.classify`."""
-    from ..tasks.metrics import compute
-    from .scoring import classify
-
-    gold = [verbalizer.label_of(r, label_field) for r in records]
-    res = classify(model, tok, prompt, verbalizer, records, progress=progress, **kw)
-    preds = res.predictions
-    metrics = compute(["accuracy", "macro_f1"], preds, gold)
-    metrics["predicted"] = dict(Counter(preds))
-    metrics["gold"] = dict(Counter(gold))
-    metrics["dropped_shots"] = sum(n < len(prompt.shots) for n in res.n_shots)
-    if len(res.labels) == 2 and len(set(gold)) == 2:
-        from sklearn.metrics import roc_auc_score
-
-        # threshold-free: how well log p(word 2) - log p(word 1) ranks the second label above the first
-        margin = (res.scores[:, 1] - res.scores[:, 0]).tolist()
-        metrics["auc"] = float(roc_auc_score([g == res.labels[1] for g in gold], margin))
-    if res.baseline is not None:
-        raw = res.raw_predictions
-        metrics["uncalibrated"] = {**compute(["accuracy", "macro_f1"], raw, gold), "predicted": dict(Counter(raw))}
-    rows = []
-    for i, (r, g, p, n) in enumerate(zip(records, gold, preds, res.n_shots)):
-        row = {"row": r.where, "label": g, "prediction": p, "correct": p == g, "n_shots": n,
-               "scores": dict(zip(res.labels, res.scores[i].tolist()))}
-        if res.baseline is not None:
-            row["calibrated"] = dict(zip(res.labels, res.calibrated[i].tolist()))
-        rows.append(row)
-    return metrics, rows
-
-
-def evaluate_cot(model, tok, prompt: FewShotPrompt, records: Sequence[Record], *, answer_field: str = "answer",
-                 progress=None, **kw) -> tuple[dict, list[dict]]:
-    """Chain-of-thought (self-consistency when ``k > 1``) on ``records``: (metrics, one output row per record).
-    ``kw`` goes to :func:`~pretune.generation.scoring.chain_of_thought`."""
-    from ..tasks.base import get_field
-    from .prompt import normalize_answer
-    from .scoring import chain_of_thought
-
-    gold = [normalize_answer(str(get_field(r, answer_field, (str, int, float), what="gold answer")))
-            for r in records]
-    outcomes = chain_of_thought(model, tok, prompt, records, progress=progress, **kw)
-    rows = []
-    for r, g, o in zip(records, gold, outcomes):
-        v = o.result.vote
-        rows.append({"row": r.where, "answer": g, "prediction": v.answer, "correct": v.answer == g,
-                     "votes": v.counts, "agreement": v.agreement, "unanswered": v.n_unanswered, "n_shots": o.n_shots,
-                     "answers": o.result.answers, "paths": o.result.paths})
-    n = len(rows)
-    metrics = {"accuracy": sum(r["correct"] for r in rows) / n,
-               "mean_agreement": sum(r["agreement"] for r in rows) / n,
-               "unanswered_paths": sum(r["unanswered"] for r in rows),
-               "dropped_shots": sum(o.n_shots < len(prompt.shots) for o in outcomes)}
-    return metrics, rows
-
-
 def cmd_prompt(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
     from ..loading import load_pretrained
+    from ..prompting import evaluate_cot, evaluate_labels
 
     template_text, sep = unescape(args.template), unescape(args.sep)
     if args.cot:
@@ -317,7 +267,7 @@ def cmd_prompt(args) -> int:
 
 
 def _shown_prompt(prompt: FewShotPrompt, rec: Record, chat, system) -> str:
-    from .prompt import apply_chat_template
+    from ..generation.prompt import apply_chat_template
 
     text = prompt.text(rec)
     if chat is not None:

@@ -1,0 +1,46 @@
+"""Labelled records: one row of a JSONL/CSV/TSV/Parquet file with where it came from, and checked field access.
+
+Finetuning tasks, prompting and the benchmarks read their data as records; every error names ``file:line``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .readers import DataError, iter_records
+
+__all__ = ["Record", "read_records", "get_field"]
+
+
+@dataclass
+class Record:
+    """One labelled row: where it came from (``file:line``) and its raw fields."""
+
+    where: str
+    data: dict
+
+
+def read_records(path: str | Path, *, errors: str = "strict") -> list[Record]:
+    """Every record of a JSONL/CSV/TSV/Parquet file; an empty file is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return [Record(f"{path.name}:{n}", rec) for n, rec in iter_records(path, errors=errors)]
+
+
+def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, what: str = "", hint: str = "") -> Any:
+    """``rec.data[name]`` checked for presence and type; errors name the row and the fields it has (and ``hint``:
+    how to point the reader at another field)."""
+    if name not in rec.data or rec.data[name] is None:
+        have = ", ".join(sorted(map(str, rec.data))) or "none"
+        raise DataError(f"{rec.where}: missing field {name!r}{f' ({what})' if what else ''}; the record has: {have}."
+                        + (f" {hint}" if hint else ""))
+    value = rec.data[name]
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise DataError(f"{rec.where}: field {name!r} should be {names}, got {type(value).__name__} {value!r:.60}")
+    return value
