@@ -96,6 +96,8 @@ class ModelConfig:
     pooling: Pooling | None = None  # sentence vector for classification/regression; None: by family
     # (pooler: BERT pooler; cls: first token + dense/tanh (RoBERTa); mean: masked mean; last: last real token (GPT))
     classifier_dropout: float | None = None  # dropout before the task head (None: dropout)
+    multi_label: bool = False  # classification: several labels per input, one sigmoid each (binary cross-entropy);
+    # exported as transformers' problem_type="multi_label_classification"
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -199,6 +201,8 @@ class ModelConfig:
                                   "use 'cls' or 'mean'")
             if self.pooling == "last" and self.arch != "decoder":
                 raise ConfigError(f"pooling='last' is for decoder-only models (got arch={self.arch!r})")
+        if self.multi_label and self.head != "classification":
+            raise ConfigError(f"multi_label applies to head='classification' only, got head={self.head!r}")
         if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
             raise ConfigError(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
         if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):

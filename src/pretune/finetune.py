@@ -435,8 +435,8 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
 
         peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok.tk,
                           extra_files={TASK_FILE: json.dumps(dataclasses.asdict(cfg.task), indent=2) + "\n"})
-        sizes = {"adapter_bytes": peft.files.adapter_size(model_dir),
-                 "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.files.base_state(model).values())}
+        sizes = {"adapter_bytes": peft.adapter_size(model_dir),
+                 "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.base_state(model).values())}
         a, f = sizes["adapter_bytes"], sizes["full_model_bytes"]
         log(f"adapter -> {model_dir}: {a / 1e6:.2f} MB, against {f / 1e6:.1f} MB for the full model "
             f"({100 * a / f:.2f}%)")

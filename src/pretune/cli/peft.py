@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..peft.config import METHOD_HELP
+from ..peft.methods import METHOD_HELP
 
 
 def cmd_merge(args) -> int:

@@ -464,7 +464,7 @@ def generate(
     for name, on in (("compile", compile), ("static_cache", static_cache)):
         if on and not use_cache:
             raise GenerationError(f"{name}=True needs use_cache=True (it decodes with a fixed-size key/value cache)")
-        if on and model.transformer.decoder.prompt is not None:
+        if on and model.transformer.decoder.extra_inputs is not None:
             raise GenerationError(f"{name}=True does not support prompt tuning (the soft prompt changes the "
                                   "decoder's length); generate without it")
     cfg = model.config

@@ -38,7 +38,6 @@ class TransformerLM(nn.Module):
         self.head = HEADS[config.head](config, self.transformer.embed) if config.head != "none" else None
         self.pooler = Pooler(config) if config.pooler else None
         self.task_head = config.head in TASK_HEADS
-        self.peft_state = None  # pretune.peft.PeftState once adapters are injected
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) (Radford et al. 2019 §2.3)
         std = 0.02 / math.sqrt(2 * config.n_layers)
@@ -91,7 +90,6 @@ class TransformerLM(nn.Module):
         if token_type_ids is not None and self.transformer.input_stack.token_type is None:
             raise ValueError("token_type_ids given but the model has no token-type embeddings (token_types=0)")
         cache = past_key_values if past_key_values is not None else (KVCache() if use_cache else None)
-        peft = self.peft_state
         body = self.transformer
         encoder_out = None
         if logits_to_keep < 0:
@@ -115,8 +113,6 @@ class TransformerLM(nn.Module):
             logits = self.head(h, attention_mask, pooled)
         else:
             logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h) if self.head is not None else None
-        if peft is not None and self.task_head:
-            logits = peft.route_heads(logits, h, attention_mask, pooled)
         return ModelOutput(
             last_hidden_state=h,
             logits=logits,

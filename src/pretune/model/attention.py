@@ -29,9 +29,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
         self.o_proj = nn.Linear(self.n_heads * self.dh, cfg.dim, bias=cfg.bias)
-        # prefix tuning (pretune.peft): callable (k, v, mask, is_causal, q_len) -> (k, v, mask, is_causal)
-        # with trainable key/value prefixes prepended; set by pretune.peft.inject, None otherwise
-        self.prefix = None
+        # extra key/value columns every query sees: a callable (k, v, mask, is_causal, q_len) -> (k, v, mask,
+        # is_causal) that prepends them (and their mask columns) to the keys and values. None: no extras.
+        self.extra_kv = None
         self._qkv = FusedLinears()
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -70,8 +70,8 @@ class Attention(nn.Module):
                 q, k = rotate(q, k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, Hkv, T_past + T, Dh), written into the cache in place
-        if self.prefix is not None:
-            k, v, mask, is_causal = self.prefix(k, v, mask, is_causal, q.shape[2])
+        if self.extra_kv is not None:
+            k, v, mask, is_causal = self.extra_kv(k, v, mask, is_causal, q.shape[2])
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         if self.training and self.dropout > 0:

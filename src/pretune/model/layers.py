@@ -27,6 +27,22 @@ class RMSNorm(nn.Module):
         return self.weight.to(x.dtype) * y
 
 
+class WrappedLinear(nn.Module):
+    """A module that wraps an ``nn.Linear`` (``base_layer``) and changes its output: ``forward(x)`` is
+    ``adjust(x, base_layer(x))`` unless ``fusable`` is False (the wrapper must change the input itself). Low-rank
+    updates and rescaling vectors (pretune.peft) subclass it; :class:`FusedLinears` runs the base layers of
+    several wrapped linears as one matmul and then lets each wrapper adjust its slice."""
+
+    base_layer: nn.Linear
+
+    @property
+    def fusable(self) -> bool:
+        return True
+
+    def adjust(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
 class FusedLinears:
     """Several ``nn.Linear`` layers that read the same input (q, k, v; an FFN's gate and up projections) run as one
     matmul: one read of the input and of a stacked weight instead of one per layer, which matters most when
@@ -36,17 +52,17 @@ class FusedLinears:
     Weights that train are concatenated on every call (autograd must reach them); frozen ones (inference,
     generation, LoRA) are stacked once and reused until a weight changes (in-place updates bump the tensor's
     version, a move gives a new storage; a write through ``param.data`` bypasses the version counter and is not
-    seen). A PEFT wrapper (pretune.peft.PeftLinear) keeps its frozen layer as ``.base_layer`` and adds its change
-    to the base output with ``.adjust(x, y)``; one that rescales its input needs its own call, and then every layer
-    runs on its own.
+    seen). A :class:`WrappedLinear` joins the fused matmul through its ``base_layer`` and adjusts its slice of the
+    output; one that is not ``fusable`` makes every layer run on its own.
     """
 
     def __init__(self):
         self._cache: tuple | None = None  # (key, stacked weight, stacked bias)
 
     def __call__(self, x: torch.Tensor, layers) -> list[torch.Tensor]:
-        bases = [getattr(p, "base_layer", p) for p in layers]
-        if (any(type(b) is not nn.Linear or getattr(p, "scales_input", False) for p, b in zip(layers, bases))
+        bases = [p.base_layer if isinstance(p, WrappedLinear) else p for p in layers]
+        if (any(type(b) is not nn.Linear or (isinstance(p, WrappedLinear) and not p.fusable)
+                for p, b in zip(layers, bases))
                 or len({b.bias is None for b in bases}) > 1):  # (some with a bias, some without: rare, unfused)
             return [p(x) for p in layers]
         w, b = self.weights(bases)

@@ -35,26 +35,23 @@ class Block(nn.Module):
             self.ffn, self.ffn_norm = shared.ffn, shared.ffn_norm
         self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.cross_norm = make_norm(cfg) if cross else None
-        self.drop = Dropout(cfg.dropout)
-        # Houlsby adapters (pretune.peft): bottlenecks applied to the attention and FFN branch outputs
-        # before the residual sum; set by pretune.peft.inject, None otherwise
-        self.attn_adapter: nn.Module | None = None
-        self.ffn_adapter: nn.Module | None = None
+        # each branch's output passes its own dropout before the residual sum (parameter-free; a module that
+        # changes a branch's output, such as a Houlsby adapter, wraps it)
+        self.attn_drop, self.ffn_drop = Dropout(cfg.dropout), Dropout(cfg.dropout)
+        self.cross_drop = Dropout(cfg.dropout) if cross else None
 
-    def _residual(self, x, norm, fn, adapter=None):
+    def _residual(self, x, norm, fn, drop):
         if self.pre_norm:
-            h = self.drop(fn(norm(x)))
-            return x + (h if adapter is None else adapter(h))
-        h = self.drop(fn(x))
-        return norm(x + (h if adapter is None else adapter(h)))
+            return x + drop(fn(norm(x)))
+        return norm(x + drop(fn(x)))
 
     def forward(self, x, *, mask, is_causal, rotate, positions, memory=None, memory_mask=None, cache=None):
         x = self._residual(x, self.attn_norm, lambda h: self.attn(
-            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache), self.attn_adapter)
+            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache), self.attn_drop)
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
-                h, memory=memory, mask=memory_mask, cache=cache))
-        return self._residual(x, self.ffn_norm, self.ffn, self.ffn_adapter)
+                h, memory=memory, mask=memory_mask, cache=cache), self.cross_drop)
+        return self._residual(x, self.ffn_norm, self.ffn, self.ffn_drop)
 
 
 class Stack(nn.Module):
@@ -78,9 +75,10 @@ class Stack(nn.Module):
         else:
             self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_distinct))
         self.norm = make_norm(cfg) if cfg.final_norm else None
-        # prompt tuning (pretune.peft): prepends soft-prompt vectors to the input and removes their
-        # positions from the output; set by pretune.peft.inject, None otherwise
-        self.prompt = None
+        # extra input embeddings: a callable (x, attention_mask, token_type_ids, position_ids, past) -> (x,
+        # attention_mask, token_type_ids, position_ids, n_extra) that puts n_extra vectors before the input (and
+        # extends the mask, types and positions); their positions are removed from the output. None: no extras.
+        self.extra_inputs = None
 
     def forward(
         self,
@@ -98,13 +96,13 @@ class Stack(nn.Module):
         memory: (B, S, dim) encoder output with memory_mask (B, S). Returns (B, T, dim).
         With a StaticKVCache the cache's ``key_mask`` takes the place of ``attention_mask`` (which must be None)."""
         static = getattr(cache, "static", False)
-        if static and (attention_mask is not None or self.prompt is not None):
+        if static and (attention_mask is not None or self.extra_inputs is not None):
             raise ValueError("a StaticKVCache carries the padding itself (key_mask): pass attention_mask=None; "
-                             "prompt tuning is not supported with it")
+                             "extra input embeddings (prompt tuning) are not supported with it")
         past = cache.index if static else cache.length if cache is not None else 0  # (1,) tensor | int
         n_virtual = 0
-        if self.prompt is not None:
-            x, attention_mask, token_type_ids, position_ids, n_virtual = self.prompt(
+        if self.extra_inputs is not None:
+            x, attention_mask, token_type_ids, position_ids, n_virtual = self.extra_inputs(
                 x, attention_mask, token_type_ids, position_ids, past)
         B, T, _ = x.shape
         new_cols = past + torch.arange(T, device=x.device) if static else torch.arange(past, past + T, device=x.device)

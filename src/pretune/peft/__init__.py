@@ -1,4 +1,4 @@
-"""Parameter-efficient finetuning: LoRA, Houlsby adapters, prefix tuning, prompt tuning, (IA)3 and
+"""Parameter-efficient finetuning: LoRA, Houlsby adapters, prefix tuning, prompt tuning, (IA)3, BitFit and
 embeddings-only training, alone or combined, several adapters in one model and one batch.
 
     from pretune import peft
@@ -10,30 +10,32 @@ embeddings-only training, alone or combined, several adapters in one model and o
     with peft.route(model2, ["spam", None, "spam"]):         # a different adapter (or none) per example
         out = model2(ids, attention_mask=mask)
     merged = peft.merged_model(model2, "spam")                # a plain model with LoRA folded into W0
+
+Each method is one module of ``pretune.peft.methods`` (registry ``METHODS``); a method wraps the layers it
+changes, the model code names none of them.
 """
 
-from .config import METHOD_HELP, METHODS, PeftConfig
-from .files import hf_places, is_adapter_folder, load_adapter, read_meta, save_adapter
+from .config import PeftConfig
+from .core import PeftError, adapter_names, adapter_parameters, base_state, peft_state
+from .files import adapter_size, hf_places, is_adapter_folder, load_adapter, read_meta, save_adapter
 from .inject import (
-                     PeftError,
-                     adapter_names,
-                     adapter_parameters,
-                     format_summary,
-                     freeze_for,
-                     inject,
-                     merge,
-                     merged_model,
-                     route,
-                     set_active,
-                     strip_peft,
-                     trainable_summary,
-                     unmerge,
+    format_summary,
+    freeze_for,
+    inject,
+    merge,
+    merged_model,
+    route,
+    set_active,
+    strip_peft,
+    trainable_summary,
+    unmerge,
 )
 from .layers import PeftLinear, PeftState
+from .methods import METHOD_HELP, METHODS
 
 __all__ = [
     "METHODS", "METHOD_HELP", "PeftConfig", "PeftError", "PeftLinear", "PeftState", "inject", "route", "set_active",
     "merge", "unmerge", "merged_model", "strip_peft", "freeze_for", "trainable_summary", "format_summary",
-    "adapter_names", "adapter_parameters", "save_adapter", "load_adapter", "hf_places",
-    "is_adapter_folder", "read_meta",
+    "adapter_names", "adapter_parameters", "save_adapter", "load_adapter", "hf_places", "is_adapter_folder",
+    "read_meta", "base_state", "peft_state", "adapter_size",
 ]

@@ -9,10 +9,11 @@
       tokenizer.json, task.json  when saved by ``pretune finetune``
 
 LoRA adapters of a family that exports to Hugging Face (BERT, RoBERTa, GPT-2, T5, Llama) are written
-in peft's layout: ``base_model.model.<HF module>.lora_A.weight``; other adapters use pretune's
-parameter names with the adapter name left out. A folder written by ``peft`` itself (no
-pretune_adapter.json) loads too: LoRA with per-module ranks, rsLoRA, fused GPT-2 c_attn, heads in
-modules_to_save.
+in peft's layout: ``base_model.model.<HF module>.lora_A.weight`` (and, with ``bias`` all / lora_only, the
+trained biases under their HF names); other adapters use pretune's parameter names with the adapter name left
+out, and the base parameters they train (embeddings, BitFit's biases) under their own names. A folder written
+by ``peft`` itself (no pretune_adapter.json) loads too: LoRA with per-module ranks, rsLoRA, fused GPT-2 c_attn,
+heads in modules_to_save, trained biases.
 """
 
 from __future__ import annotations
@@ -28,30 +29,35 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, read_weights, unique_state
+from ..checkpoint import CheckpointError, atomic_folder, read_weights
 from ..config import TASK_HEADS
 from .config import PeftConfig
-from .inject import (
+from .core import (
     PeftError,
     adapter_parameters,
-    inject,
+    base_parameters,
+    base_state,
     is_peft_parameter,
     linear_modules,
+    own,
     peft_state,
-    set_active,
+    strip_name,
     wrap,
 )
-from .layers import PeftLinear
+from .inject import inject, set_active
+from .layers import PeftLinear, RoutedHead
 
 META_FILE = "pretune_adapter.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_CONFIG_FILE = "adapter_config.json"
 HF_PREFIX = "base_model.model."
-_HEAD_FIELDS = ("head", "num_labels", "labels", "pooling", "classifier_dropout")
+_HEAD_FIELDS = ("head", "num_labels", "labels", "pooling", "classifier_dropout", "multi_label")
 _BASE_FIELDS = ("arch", "vocab_size", "dim", "n_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "head_dim",
                 "ffn_dim", "embed_dim", "ffn")
 _TASK_TYPES = {"classification": "SEQ_CLS", "regression": "SEQ_CLS", "tagging": "TOKEN_CLS", "qa": "QUESTION_ANS"}
 _HF_HEADS = ("classifier.", "score.", "qa_outputs.")
+_LEGACY_NAMES = {".attn_adapter.adapters.": ".attn_drop.adapters.",  # adapters saved before branch wrapping
+                 ".ffn_adapter.adapters.": ".ffn_drop.adapters."}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,12 +71,6 @@ class HfPlace:
     start: int  # our rows are HF output rows start..stop (a fused q/k/v matrix holds three layers)
     stop: int
     fan_in_fan_out: bool  # HF stores the weight as (in, out) (GPT-2's Conv1D)
-
-
-def base_state(model) -> dict[str, torch.Tensor]:
-    """The model's own tensors under their plain names (PEFT wrappers and parameters left out)."""
-    return {k.replace(".base_layer.", "."): v for k, v in unique_state(model).items()
-            if not is_peft_parameter(k) and not k.startswith("peft_")}
 
 
 def hf_places(model, modules: list[str]) -> dict[str, HfPlace] | None:
@@ -116,18 +116,16 @@ def hf_places(model, modules: list[str]) -> dict[str, HfPlace] | None:
 # ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
-def _strip_name(param: str, name: str) -> str:
-    return re.sub(rf"(^|\.)(lora_A|lora_B|ia3|adapters|peft_prefix|peft_prompt)\.{re.escape(name)}(\.|$)",
-                  r"\1\2\3", param)
-
-
 def _head_of(model, name: str):
     """(head module, head fields) saved with adapter ``name``: its own loaded head, else the model's task head."""
     state = peft_state(model)
-    if state.heads is not None and name in state.heads:
-        return state.heads[name], state.head_configs[name]
-    if model.config.head in TASK_HEADS and model.head is not None:
-        return model.head, {k: getattr(model.config, k) for k in _HEAD_FIELDS}
+    head = model.head
+    if isinstance(head, RoutedHead):
+        if name in head.adapter_heads:
+            return head.adapter_heads[name], state.head_configs[name]
+        head = head.base
+    if model.config.head in TASK_HEADS and head is not None:
+        return head, {k: getattr(model.config, k) for k in _HEAD_FIELDS}
     return None, None
 
 
@@ -156,20 +154,17 @@ def save_adapter(model, path: str | os.PathLike, name: str | None = None, *, bas
         head_tensors.pop("head.weight", None)
     lora = _lora_layers(model, name)
     places = hf_places(model, list(lora)) if cfg.methods == ["lora"] else None
+    owned = {k: base_parameters(model)[k].detach() for k in state.owned(name)}  # base tensors it trains
     meta = {"format": "pretune-adapter", "version": 1, "name": name, "peft": cfg.to_dict(),
             "head": head_fields, "base": {"model": str(base), **{k: getattr(model.config, k) for k in _BASE_FIELDS}},
             "lora_scaling": {n: m.lora_scaling[name] for n, m in lora.items()},
             "layout": "peft" if places is not None else "pretune"}
     if places is not None:
-        tensors, peft_cfg = _to_peft(model, name, lora, places, head_tensors, head_fields)
+        tensors, peft_cfg = _to_peft(model, name, lora, places, head_tensors, head_fields, owned)
     else:
-        tensors = {_strip_name(k, name): p.detach() for k, p in adapter_parameters(model, name).items()}
+        tensors = {strip_name(k, name): p.detach() for k, p in adapter_parameters(model, name).items()}
         tensors.update(head_tensors)
-        if state.embeddings == name:
-            tensors["transformer.embed.weight"] = model.transformer.embed.weight.detach()
-            pos = getattr(model.transformer.input_stack.position, "weight", None)
-            if cfg.embed_positions and pos is not None:
-                tensors[f"transformer.{_stack_name(model)}.position.weight"] = pos.detach()
+        tensors.update(owned)
         peft_cfg = None
     path = Path(path)
     with atomic_folder(path) as tmp:
@@ -185,13 +180,12 @@ def save_adapter(model, path: str | os.PathLike, name: str | None = None, *, bas
     return path
 
 
-def _stack_name(model) -> str:
-    return "encoder" if model.transformer.encoder is not None else "decoder"
-
-
-def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace], head_tensors, head_fields):
+def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace], head_tensors, head_fields,
+             owned: dict[str, torch.Tensor]):
     """peft's tensors and adapter_config.json for a LoRA adapter. Layers fused in HF (GPT-2 c_attn) with
-    different A matrices become one LoRA of rank sum(r_i) with a block-diagonal B (exact)."""
+    different A matrices become one LoRA of rank sum(r_i) with a block-diagonal B (exact). Trained biases
+    (``bias`` all / lora_only) go under their HF names (``<module>.base_layer.bias`` for a LoRA module, as peft
+    writes them)."""
     from ..interop import _family_for_config
 
     by_module: dict[str, list[str]] = {}
@@ -234,11 +228,14 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
             if k.startswith(_HF_HEADS):
                 tensors[f"{HF_PREFIX}{k}"] = v
                 modules_to_save.append(k.split(".")[0])
+    for hf_name, t in _hf_biases(model, owned).items():
+        module = hf_name[: -len(".bias")]
+        tensors[f"{HF_PREFIX}{module}{'.base_layer' if module in by_module else ''}.bias"] = t
     (r, alpha), _ = Counter(shapes.values()).most_common(1)[0]
     cfg = peft_state(model).configs[name]
     peft_cfg = {
         "peft_type": "LORA", "task_type": _task_type(model.config), "r": int(r), "lora_alpha": float(alpha),
-        "lora_dropout": cfg.dropout, "target_modules": sorted(by_module), "bias": "none",
+        "lora_dropout": cfg.dropout, "target_modules": sorted(by_module), "bias": cfg.bias,
         "fan_in_fan_out": fan_in_fan_out, "modules_to_save": sorted(set(modules_to_save)) or None,
         "rank_pattern": {m: s[0] for m, s in shapes.items() if s[0] != r},
         "alpha_pattern": {m: s[1] for m, s in shapes.items() if s[1] != alpha},
@@ -246,6 +243,22 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
         "base_model_name_or_path": None, "revision": None, "layers_to_transform": None, "layers_pattern": None,
     }
     return tensors, peft_cfg
+
+
+def _hf_biases(model, owned: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF bias tensors that hold the base biases in ``owned`` (their current values; a fused HF bias such as
+    GPT-2's c_attn.bias whole), found by exporting markers as hf_places does."""
+    from ..interop import _family_for_config
+
+    if not owned:
+        return {}
+    fam = _family_for_config(model.config)
+    state = base_state(model)
+    marks = {k: (torch.ones if k in owned else torch.zeros)((), dtype=torch.float64).expand(v.shape)
+             for k, v in state.items()}
+    marked = fam.weights_to_hf(marks, model.config)
+    values = fam.weights_to_hf(state, model.config)
+    return {k: values[k] for k, t in marked.items() if k.endswith(".bias") and float(t.max()) > 0}
 
 
 def _hf_out_rows(model, module: str, fallback: int) -> int:
@@ -342,10 +355,9 @@ def _put_head(model, name: str, head_tensors: dict[str, torch.Tensor], head_fiel
                             f"{tuple(expected[k].shape)} (an adapter for a different label set or base model)")
     head.load_state_dict({**expected, **head_tensors})
     head.to(next(model.parameters()).device)
-    if state.heads is None:
-        model.peft_heads = torch.nn.ModuleDict()
-        state.heads = model.peft_heads
-    state.heads[name] = head.eval() if not model.training else head
+    if not isinstance(model.head, RoutedHead):
+        model.head = RoutedHead(model.head, state)
+    model.head.adapter_heads[name] = head.train(model.training)
     state.head_configs[name] = {k: head_fields.get(k) for k in _HEAD_FIELDS}
 
 
@@ -355,15 +367,20 @@ def _load_pretune(model, path: Path, tensors, name: str, meta: dict) -> None:
     build.prompt_init = "random"  # the file holds the trained prompt; no tokenizer needed to build it
     inject(model, build, name, train=False, activate=False)
     peft_state(model).configs[name] = cfg
-    own = {_strip_name(k, name): p for k, p in adapter_parameters(model, name).items()}
+    own_params = {strip_name(k, name): p for k, p in adapter_parameters(model, name).items()}
+    for old, new in _LEGACY_NAMES.items():
+        tensors = {k.replace(old, new): t for k, t in tensors.items()}
     head_tensors = {k: v for k, v in tensors.items() if k.startswith("head.")}
     scaling = meta.get("lora_scaling") or {}
+    base = base_parameters(model)
+    trained_base = [k for k in tensors if not k.startswith("head.") and not is_peft_parameter(k)]
+    own(model, name, [k for k in trained_base if k in base])
     with torch.no_grad():
         for k, t in tensors.items():
             if k.startswith("head."):
                 continue
-            if k.startswith("transformer.") and not is_peft_parameter(k):  # trained embeddings
-                target = base_state(model).get(k)
+            if k in trained_base:  # a base parameter the adapter trained (embeddings, biases)
+                target = base.get(k)
                 if target is None:
                     raise PeftError(f"{path}: tensor {k!r} is not a parameter of this model")
                 if target.shape != t.shape:
@@ -371,17 +388,18 @@ def _load_pretune(model, path: Path, tensors, name: str, meta: dict) -> None:
                                     f"{tuple(target.shape)}: the adapter was saved for a different base model")
                 target.copy_(t)
                 continue
-            if k not in own:
+            if k not in own_params:
                 raise PeftError(f"{path}: tensor {k!r} has no place in this model (a different base or method)")
-            if own[k].shape != t.shape:
+            if own_params[k].shape != t.shape:
                 m = re.match(r"(.+)\.lora_[AB]\.weight$", k)
                 if m and m.group(1) in scaling:  # a LoRA of another rank (e.g. imported with a rank_pattern)
                     _relora(model, m.group(1), name, tensors, scaling[m.group(1)], cfg.dropout)
-                    own = {_strip_name(kk, name): p for kk, p in adapter_parameters(model, name).items()}
-                if own[k].shape != t.shape:
+                    own_params = {strip_name(kk, name): p for kk, p in adapter_parameters(model, name).items()}
+                if own_params[k].shape != t.shape:
                     raise PeftError(f"{path}: tensor {k!r} has shape {tuple(t.shape)}, the model expects "
-                                    f"{tuple(own[k].shape)}: the adapter was saved for a different base model")
-            own[k].copy_(t)
+                                    f"{tuple(own_params[k].shape)}: the adapter was saved for a different base "
+                                    "model")
+            own_params[k].copy_(t)
         for module, s in scaling.items():
             layer = model.get_submodule(module)
             if isinstance(layer, PeftLinear) and name in layer.lora_scaling:
@@ -415,16 +433,19 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
     for flag, why in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases")):
         if pc.get(flag):
             raise PeftError(f"{cfg_file}: {why} ({flag}=true) is not supported")
-    if pc.get("bias", "none") != "none":
-        raise PeftError(f"{cfg_file}: bias={pc['bias']!r} is not supported (only 'none')")
+    bias = pc.get("bias") or "none"
+    if bias not in ("none", "all", "lora_only"):
+        raise PeftError(f"{cfg_file}: bias={bias!r} is not one of none, all, lora_only")
     stripped = {}
     for k, t in tensors.items():
         k = k[len(HF_PREFIX):] if k.startswith(HF_PREFIX) else k
         k = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", k)  # older files keep the adapter name
-        k = k.replace(".modules_to_save.", ".").replace(".original_module.", ".")
+        k = k.replace(".modules_to_save.", ".").replace(".original_module.", ".").replace(".base_layer.", ".")
         stripped[k] = t
     lora_modules = sorted({k.rsplit(".", 2)[0] for k in stripped if re.search(r"\.lora_[AB]\.weight$", k)})
-    head_hf = {k: t for k, t in stripped.items() if not re.search(r"\.lora_[AB]\.weight$", k)}
+    rest = {k: t for k, t in stripped.items() if not re.search(r"\.lora_[AB]\.weight$", k)}
+    head_hf = {k: t for k, t in rest.items() if k.startswith(_HF_HEADS) or not k.endswith(".bias")}
+    bias_hf = {k: t for k, t in rest.items() if k not in head_hf}
     mods = list(linear_modules(model))
     places = hf_places(model, mods)
     if places is None:
@@ -461,7 +482,10 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
                 layer.lora_B[name].weight.copy_(B[place.start:place.stop])
             layers_seen.append(n)
     state = peft_state(model)
-    state.configs[name] = PeftConfig(method="lora", targets=layers_seen, r=r0, alpha=alpha0, dropout=dropout)
+    state.configs[name] = PeftConfig(method="lora", targets=layers_seen, r=r0, alpha=alpha0, dropout=dropout,
+                                     bias=bias)
+    if bias_hf:
+        _load_hf_biases(model, name, bias_hf, path)
     if head_hf:
         from ..interop import _family_for_config
 
@@ -473,6 +497,33 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
         except Exception as e:  # noqa: BLE001 - name the file with the converter's reason
             raise PeftError(f"{path}: cannot map the saved head tensors {sorted(head_hf)}: {e}") from None
         _put_head(model, name, ours_head, head_fields, path)
+
+
+def _load_hf_biases(model, name: str, bias_hf: dict[str, torch.Tensor], path: Path) -> None:
+    """Trained biases of a peft LoRA adapter (``bias`` all / lora_only), under their HF names: the base model
+    exported to HF with these biases put in and imported back gives our biases (fused ones, such as GPT-2's
+    c_attn.bias, split as the family's importer splits them)."""
+    from ..interop import _family_for_config
+
+    fam = _family_for_config(model.config)
+    state = base_state(model)
+    hf = fam.weights_to_hf(state, model.config)
+    for k, t in bias_hf.items():  # the same name, or one with the task model's prefix more or less (bert., ...)
+        hits = [h for h in hf if h == k or h.endswith("." + k) or k.endswith("." + h)]
+        if len(hits) != 1:
+            raise PeftError(f"{path}: bias {k!r} matches {'no' if not hits else 'more than one'} tensor of this model "
+                            f"(HF names like {next(iter(hf))!r})")
+        key = hits[0]
+        if tuple(hf[key].shape) != tuple(t.shape):
+            raise PeftError(f"{path}: bias {k!r} has shape {tuple(t.shape)}, the model's is {tuple(hf[key].shape)}")
+        hf[key] = t
+    ours = fam.weights_from_hf(hf, model.config)
+    params = base_parameters(model)
+    changed = [k for k, v in ours.items() if k in params and k.endswith(".bias") and not torch.equal(v, state[k])]
+    own(model, name, changed)
+    with torch.no_grad():
+        for k in changed:
+            params[k].copy_(ours[k])
 
 
 def _suffix_match(module: str, by_hf: dict[str, list[str]]) -> list[str]:

@@ -2,10 +2,13 @@
 the model's PeftState routes to it: to every row of the batch, or (mixed batches) each adapter to
 its own rows. Base weights are wrapped in place, never copied.
 
-  PeftLinear     LoRA (y += s * B A x) and (IA)3 (y *= l, or x *= l for the FFN inner activation)
-  Bottleneck     Houlsby adapter: h + up(act(down(h))), after attention and after the FFN
-  PrefixEncoder  prefix tuning: per-layer key/value prefixes (direct, or from an MLP reparametrisation)
-  SoftPrompt     prompt tuning: n virtual token embeddings prepended to the input
+  PeftLinear     LoRA (y += s * B A x) and (IA)3 (y *= l, or x *= l for the FFN inner activation): a
+                 WrappedLinear around the nn.Linear it changes
+  BranchAdapter  Houlsby adapters: h + up(act(down(h))) on a residual branch's output (it wraps the branch's
+                 output dropout)
+  PrefixEncoder  prefix tuning: per-layer key/value prefixes, put in by PrefixSite (Attention.extra_kv)
+  SoftPrompt     prompt tuning: n virtual token embeddings, put in by PromptSite (Stack.extra_inputs)
+  RoutedHead     adapters' own task heads beside the model's (wraps model.head)
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.layers import dropout
+from ..model.layers import WrappedLinear, dropout
 
 Route = tuple[str, torch.Tensor | None]  # (adapter name, batch rows it applies to; None = every row)
+
+PREFIX_DICT = "peft_prefix"  # the model attribute (an nn.ModuleDict) holding prefix encoders, one per adapter
+PROMPT_DICT = "peft_prompt"  # ... holding soft prompts
+# every name part that marks a PEFT parameter (module attributes of the classes below and the two dicts above);
+# a parameter name holds one of them followed by the adapter name
+PEFT_PARTS = ("lora_A", "lora_B", "ia3", "adapters", PREFIX_DICT, PROMPT_DICT, "adapter_heads")
 
 
 class PeftState:
@@ -30,32 +39,17 @@ class PeftState:
         self.active: list[str] = []
         self.rows: dict[str, torch.Tensor] | None = None  # mixed batch: name -> row indices
         self.batch_rows: int | None = None  # batch size of the routing
-        self.heads: nn.ModuleDict | None = None  # name -> the task head loaded with that adapter
         self.head_configs: dict[str, dict] = {}  # name -> its head fields (head, num_labels, labels, pooling)
-        self.embeddings: str | None = None  # the adapter that trains (owns) the token embeddings
-
-    def route_heads(self, logits, h, attention_mask, pooled):
-        """The routed adapters' own task heads replace the model head's output on their rows."""
-        if not self.heads:
-            return logits
-        for name, rows in self.routes():
-            if name not in self.heads:
-                continue
-            if rows is None:
-                logits = self.heads[name](h, attention_mask, pooled)
-                continue
-            out = self.heads[name](h[rows], None if attention_mask is None else attention_mask[rows],
-                                   None if pooled is None else pooled[rows])
-            if out.shape[1:] != logits.shape[1:]:
-                raise ValueError(f"adapter {name!r}'s head gives outputs of shape {tuple(out.shape[1:])}, the "
-                                 f"batch's other rows {tuple(logits.shape[1:])}: a mixed batch needs equal heads")
-            logits = logits.index_copy(0, rows, out.to(logits.dtype))
-        return logits
+        self.owners: dict[str, str] = {}  # base parameter name -> the adapter that trains it (embeddings, biases)
 
     def routes(self) -> list[Route]:
         if self.rows is None:
             return [(n, None) for n in self.active]
         return list(self.rows.items())
+
+    def owned(self, name: str) -> list[str]:
+        """The base parameters adapter ``name`` trains (and saves)."""
+        return [k for k, owner in self.owners.items() if owner == name]
 
 
 def _merge_rows(y: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
@@ -65,7 +59,7 @@ def _merge_rows(y: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor)
     return y.index_add(0, rows, delta.to(y.dtype))
 
 
-class PeftLinear(nn.Module):
+class PeftLinear(WrappedLinear):
     """An nn.Linear with LoRA and (IA)3 adapters. ``base_layer`` is the original layer (frozen)."""
 
     def __init__(self, base: nn.Linear, state: PeftState):
@@ -97,8 +91,9 @@ class PeftLinear(nn.Module):
         return self.base_layer.bias
 
     @property
-    def scales_input(self) -> bool:
-        return self.ia3_input and any(n in self.ia3 for n, _ in self.state.routes())
+    def fusable(self) -> bool:
+        """False while an (IA)3 vector scales this layer's input (the base matmul must see the scaled input)."""
+        return not (self.ia3_input and any(n in self.ia3 for n, _ in self.state.routes()))
 
     def add_lora(self, name: str, r: int, alpha: float, p: float) -> None:
         A = nn.Linear(self.in_features, r, bias=False, device=self.weight.device)
@@ -216,15 +211,19 @@ class Bottleneck(nn.Module):
         return self.up(_ACTS[self.act_name](self.down(h)))  # the residual is added by the caller
 
 
-class AdapterSite(nn.Module):
-    """The adapters at one place of one block (after attention, or after the FFN): h + f_name(h)."""
+class BranchAdapter(nn.Module):
+    """Houlsby adapters on one residual branch of one block: wraps the branch's output stage (``inner``, its
+    dropout) and adds each routed adapter's bottleneck to what comes out: h + f_name(h), before the residual sum
+    (as adapter-transformers place them, after the sublayer's dropout)."""
 
-    def __init__(self, state: PeftState):
+    def __init__(self, inner: nn.Module, state: PeftState):
         super().__init__()
+        self.inner = inner
         self.adapters = nn.ModuleDict()
         self.state = state
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.inner(h)
         for name, rows in self.state.routes():
             if name in self.adapters:
                 h = _merge_rows(h, rows, self.adapters[name](h if rows is None else h[rows]))
@@ -380,3 +379,32 @@ class PromptSite:
         if token_type_ids is not None:
             token_type_ids = F.pad(token_type_ids, (P, 0))
         return x, attention_mask, token_type_ids, torch.cat([virtual_pos, position_ids], dim=1), P
+
+
+class RoutedHead(nn.Module):
+    """The model's task head (``base``) with adapters' own task heads beside it (``adapter_heads``, loaded with
+    their adapters): on the rows routed to an adapter that has a head, that head's output replaces the base
+    head's. Wraps ``model.head`` the way peft's ``modules_to_save`` wraps a module."""
+
+    def __init__(self, base: nn.Module, state: PeftState):
+        super().__init__()
+        self.base = base
+        self.adapter_heads = nn.ModuleDict()
+        self.state = state
+
+    def forward(self, h, attention_mask=None, pooled=None):
+        logits = self.base(h, attention_mask, pooled)
+        for name, rows in self.state.routes():
+            if name not in self.adapter_heads:
+                continue
+            head = self.adapter_heads[name]
+            if rows is None:
+                logits = head(h, attention_mask, pooled)
+                continue
+            out = head(h[rows], None if attention_mask is None else attention_mask[rows],
+                       None if pooled is None else pooled[rows])
+            if out.shape[1:] != logits.shape[1:]:
+                raise ValueError(f"adapter {name!r}'s head gives outputs of shape {tuple(out.shape[1:])}, the "
+                                 f"batch's other rows {tuple(logits.shape[1:])}: a mixed batch needs equal heads")
+            logits = logits.index_copy(0, rows, out.to(logits.dtype))
+        return logits

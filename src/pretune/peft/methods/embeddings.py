@@ -1,0 +1,26 @@
+"""Train the token embedding matrix only (language adaptation), optionally with a learned position table
+(``embed_positions``); the adapter saves the trained matrix."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..core import base_parameters, own
+
+NAME = "embeddings"
+HELP = "train the token embedding matrix only (language adaptation)"
+PARTS = ()
+MERGEABLE = True  # the trained matrix is the model's own
+
+
+def validate(cfg) -> None:
+    return None
+
+
+def inject(model, cfg, name: str, ctx) -> None:
+    params = base_parameters(model)
+    owned = ["transformer.embed.weight"]
+    pos = getattr(model.transformer.input_stack.position, "weight", None)
+    if cfg.embed_positions and isinstance(pos, nn.Parameter):
+        owned += [k for k, p in params.items() if p is pos]
+    own(model, name, owned)

@@ -1,0 +1,37 @@
+"""(IA)3 (Liu et al. 2022, T-Few): learned vectors l rescaling the keys, the values and the FFN's inner
+activation: y = l * (W x) for k_proj / v_proj, W (l * x) for down_proj (the inner activation is its input);
+l starts at 1, so the adapted model starts equal to the base."""
+
+from __future__ import annotations
+
+from ..core import PeftError, find_targets, unwrap_all, wrap
+from ..layers import PeftLinear
+
+NAME = "ia3"
+HELP = "learned vectors rescaling keys, values and the FFN inner activation (Liu et al. 2022, T-Few)"
+PARTS = ("ia3",)
+MERGEABLE = True  # folds into the rows / columns of W
+DEFAULT_TARGETS = ["k_proj", "v_proj", "down_proj"]
+INPUT_SIDE = ("down_proj",)  # these layers get the vector on their input (the FFN inner activation)
+
+
+def validate(cfg) -> None:
+    return None
+
+
+def targets(cfg) -> list[str]:
+    return list(cfg.ia3_targets) or DEFAULT_TARGETS
+
+
+def inject(model, cfg, name: str, ctx) -> None:
+    for mod_name in find_targets(model, targets(cfg), "(IA)3"):
+        layer = wrap(model, mod_name)
+        on_input = mod_name.endswith(INPUT_SIDE)
+        if layer.ia3 and layer.ia3_input != on_input:
+            side = "input" if layer.ia3_input else "output"
+            raise PeftError(f"{mod_name} already has (IA)3 vectors on its {side}")
+        layer.add_ia3(name, on_input)
+
+
+def strip(model) -> None:
+    unwrap_all(model, PeftLinear, "base_layer")

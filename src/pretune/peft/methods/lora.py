@@ -1,0 +1,57 @@
+"""LoRA (Hu et al. 2021): W = W0 + (alpha/r) B A on the target linear layers; A Kaiming-uniform, B zeros, so the
+adapted model starts equal to the base. ``bias`` as in peft (and the lecture's LoRA code): ``none`` trains no
+bias, ``all`` every bias of the body, ``lora_only`` those of the adapted layers; trained biases are saved with
+the adapter (peft's adapter_config.json records the option)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import PeftError, bias_names, find_targets, own, unwrap_all, wrap
+from ..layers import PeftLinear
+
+NAME = "lora"
+HELP = "low-rank update W0 + (alpha/r) B A of the target linear layers (Hu et al. 2021)"
+PARTS = ("lora_A", "lora_B")
+MERGEABLE = True  # folds into W0 (merge / peft merge)
+DEFAULT_TARGETS = ["q_proj", "v_proj"]
+BIAS = ("none", "all", "lora_only")
+
+
+def validate(cfg) -> None:
+    if cfg.r <= 0:
+        raise PeftError(f"peft.r={cfg.r}: the LoRA rank must be >= 1")
+    if cfg.alpha <= 0:
+        raise PeftError(f"peft.alpha={cfg.alpha}: must be > 0")
+    if not 0 <= cfg.dropout < 1:
+        raise PeftError(f"peft.dropout={cfg.dropout}: must be in [0, 1)")
+    if cfg.bias not in BIAS:
+        raise PeftError(f"peft.bias={cfg.bias!r}: expected one of {', '.join(BIAS)}")
+
+
+def targets(cfg) -> list[str]:
+    return list(cfg.targets) or DEFAULT_TARGETS
+
+
+def inject(model, cfg, name: str, ctx) -> None:
+    found = find_targets(model, targets(cfg), "LoRA")
+    for mod_name, m in found.items():
+        limit = min(m.in_features, m.out_features)
+        if cfg.r > limit:
+            raise PeftError(f"LoRA rank r={cfg.r} is larger than layer {mod_name} allows "
+                            f"({m.in_features} -> {m.out_features}: at most {limit})")
+    for mod_name in found:
+        layer: PeftLinear = wrap(model, mod_name)
+        layer.add_lora(name, cfg.r, cfg.alpha, cfg.dropout)
+        with torch.no_grad():  # A from our own generator: the same adapter for the same seed
+            bound = 1.0 / layer.in_features ** 0.5  # kaiming_uniform(a=sqrt(5)) on (r, in) = U(+-1/sqrt(in))
+            shape = layer.lora_A[name].weight.shape
+            layer.lora_A[name].weight.copy_(torch.rand(shape, generator=ctx.generator) * 2 * bound - bound)
+    if cfg.bias == "all":
+        own(model, name, bias_names(model))
+    elif cfg.bias == "lora_only":
+        own(model, name, bias_names(model, list(found)))
+
+
+def strip(model) -> None:
+    unwrap_all(model, PeftLinear, "base_layer")

@@ -1,0 +1,38 @@
+"""Prefix tuning (Li & Liang 2021): trainable key/value prefixes at every self-attention layer, visible to every
+query (``Attention.extra_kv``); directly trained, or produced by an MLP from P embeddings (``prefix_projection``,
+the paper's reparametrisation for stable training)."""
+
+from __future__ import annotations
+
+from ..core import PeftError, module_dict, self_attentions
+from ..layers import PREFIX_DICT, PrefixEncoder, PrefixSite
+
+NAME = "prefix"
+HELP = "trainable key/value prefixes at every self-attention layer (Li & Liang 2021)"
+PARTS = (PREFIX_DICT,)
+MERGEABLE = False  # adds key/value columns
+
+
+def validate(cfg) -> None:
+    if cfg.n_virtual < 1:
+        raise PeftError(f"peft.n_virtual={cfg.n_virtual}: prefix tuning needs >= 1 virtual token")
+    if cfg.prefix_projection < 0:
+        raise PeftError(f"peft.prefix_projection={cfg.prefix_projection}: must be >= 0")
+
+
+def inject(model, cfg, name: str, ctx) -> None:
+    attns = self_attentions(model)
+    encoders = module_dict(model, PREFIX_DICT)
+    for i, attn in enumerate(attns):
+        if attn.extra_kv is None:
+            attn.extra_kv = PrefixSite(ctx.state, encoders, i, attn.n_kv_heads, attn.dh)
+    encoders[name] = PrefixEncoder(len(attns), cfg.n_virtual, attns[0].n_kv_heads * attns[0].dh, model.config.dim,
+                                   cfg.prefix_projection)
+
+
+def strip(model) -> None:
+    for attn in self_attentions(model):
+        if isinstance(attn.extra_kv, PrefixSite):
+            attn.extra_kv = None
+    if getattr(model, PREFIX_DICT, None) is not None:
+        delattr(model, PREFIX_DICT)
