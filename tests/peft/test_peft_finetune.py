@@ -53,7 +53,8 @@ def _cfg(base, data, out, method, *extra):
                                        "train.keep_last=0", f"peft.method={method}", "peft.n_virtual=4", *extra])
 
 
-@pytest.mark.parametrize("method", ["lora", "adapter", "prefix", "prompt", "ia3", "embeddings", "lora+prompt"])
+@pytest.mark.parametrize("method", ["lora", "adapter", "prefix", "prompt", "ia3", "embeddings", "bitfit",
+                                    "lora+prompt"])
 def test_peft_finetune_saves_an_adapter_that_evaluate_reloads(method, base, data, tmp_path):
     before = _digest(base)
     res = finetune(_cfg(base, data, tmp_path / "run", method), show_progress=False, log=lambda *a: None)

@@ -146,3 +146,72 @@ def test_gpt2_fused_qkv_with_one_shared_a_stays_rank_r(tmp_path):
     cfg = json.loads((tmp_path / "a2" / "adapter_config.json").read_text())
     assert cfg["fan_in_fan_out"] is True and cfg["target_modules"] == ["transformer.h.0.attn.c_attn",
                                                                        "transformer.h.1.attn.c_attn"]
+
+
+BIAS_CASES = [(f, b) for f in ("gpt2", "bert") for b in ("all", "lora_only")]  # Llama has no biases
+
+
+@pytest.mark.parametrize("family,bias", BIAS_CASES)
+def test_lora_bias_option_moves_both_ways(family, bias, tmp_path):
+    """LoRA's ``bias`` option (peft's): the trained biases are saved with the adapter, ``adapter_config.json``
+    records the option, and peft's PeftModel gives equal logits; a peft adapter with trained biases loads into
+    pretune with equal logits."""
+    base = _base(family, tmp_path)
+    targets = CASES[family][3]
+    ours = pretune.from_hf(base)
+    summary = ppeft.inject(ours, ppeft.PeftConfig(method="lora", r=3, alpha=7, targets=targets, bias=bias), "mine")
+    state = ppeft.peft_state(ours)
+    owned = state.owned("mine")
+    all_biases = [k for k in ppeft.base_state(ours) if k.endswith(".bias") and not k.startswith("head.")]
+    if bias == "all":
+        assert sorted(owned) == sorted(all_biases)
+    else:  # the biases of the adapted layers only
+        assert owned and all(any(f".{t}.bias" in k for t in targets) for k in owned)
+        assert len(owned) < len(all_biases)
+    lora_numel = sum(p.numel() for p in ppeft.adapter_parameters(ours, "mine").values())
+    head_numel = sum(p.numel() for p in ours.head.parameters()) if family == "bert" else 0
+    owned_numel = sum(ppeft.base_state(ours)[k].numel() for k in owned)
+    assert summary["trainable"] == lora_numel + owned_numel + head_numel
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # as training would: the adapter and the owned biases move
+        for p in ppeft.adapter_parameters(ours, "mine").values():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        params = dict(ours.named_parameters())
+        for k in owned:
+            name = next(n for n in params if n.replace(".base_layer.", ".") == k)
+            params[name].add_(0.5 * torch.randn(params[name].shape, generator=g))
+    ours.eval()
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = ours(ids, attention_mask=mask).logits
+    ppeft.save_adapter(ours, tmp_path / "adapter")
+    import json
+
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["bias"] == bias
+    pm = hf_peft.PeftModel.from_pretrained(_hf_model(family, base), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        got = pm(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool() if family != "bert" else slice(None)
+    assert (got[keep] - want[keep]).abs().max().item() < 1e-4
+    again = pretune.from_hf(base)  # and back into pretune
+    ppeft.load_adapter(again, tmp_path / "adapter")
+    with torch.no_grad():
+        assert (again(ids, attention_mask=mask).logits[keep] - want[keep]).abs().max().item() < 1e-5
+    assert sorted(ppeft.peft_state(again).owned("mine")) == sorted(owned)
+
+    # a peft adapter with trained biases loads into pretune
+    torch.manual_seed(4)
+    pm2 = hf_peft.get_peft_model(_hf_model(family, base), hf_peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=CASES[family][1], init_lora_weights=False, bias=bias,
+        **CASES[family][2])).eval()
+    with torch.no_grad():
+        for n, p in pm2.named_parameters():
+            if p.requires_grad and n.endswith(".bias"):
+                p.add_(0.5 * torch.randn_like(p))
+        want2 = pm2(input_ids=ids, attention_mask=mask).logits
+    pm2.save_pretrained(tmp_path / "hf_adapter")
+    ours2 = pretune.from_hf(base)
+    ppeft.load_adapter(ours2, tmp_path / "hf_adapter")
+    with torch.no_grad():
+        got2 = ours2(ids, attention_mask=mask).logits
+    assert (got2[keep] - want2[keep]).abs().max().item() < 1e-4

@@ -437,10 +437,15 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
     if bias not in ("none", "all", "lora_only"):
         raise PeftError(f"{cfg_file}: bias={bias!r} is not one of none, all, lora_only")
     stripped = {}
-    for k, t in tensors.items():
+
+    def copy_rank(key: str) -> int:  # a module's trained copy (modules_to_save) beats its other copies
+        return 2 if ".modules_to_save." in key else 0 if ".original_module." in key else 1
+
+    for k, t in sorted(tensors.items(), key=lambda kv: copy_rank(kv[0])):
         k = k[len(HF_PREFIX):] if k.startswith(HF_PREFIX) else k
         k = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", k)  # older files keep the adapter name
-        k = k.replace(".modules_to_save.", ".").replace(".original_module.", ".").replace(".base_layer.", ".")
+        k = re.sub(r"\.modules_to_save(\.[^.]+)?\.(weight|bias)$", r".\2", k)  # (with or without the adapter name)
+        k = k.replace(".original_module.", ".").replace(".base_layer.", ".")
         stripped[k] = t
     lora_modules = sorted({k.rsplit(".", 2)[0] for k in stripped if re.search(r"\.lora_[AB]\.weight$", k)})
     rest = {k: t for k, t in stripped.items() if not re.search(r"\.lora_[AB]\.weight$", k)}
