@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from pretune.finetune import finetune, load_finetune_config
-from pretune.pretrain import pretrain
-from pretune.runconfig import load_run_config
+from pretune.pretrain import load_run_config, pretrain
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -6,8 +6,7 @@ import json
 import pytest
 
 from pretune.config import ConfigError
-from pretune.pretrain import pretrain
-from pretune.runconfig import load_run_config
+from pretune.pretrain import load_run_config, pretrain
 
 # objective -> (preset, tokenizer kind, extra overrides)
 CASES = {

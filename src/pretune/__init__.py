@@ -31,7 +31,7 @@ _EXPORTS = {  # public name -> the module that defines it
     "ConfigError": "pretune.config", "ModelConfig": "pretune.config",
     "from_hf": "pretune.interop", "to_hf": "pretune.interop", "InteropError": "pretune.interop",
     "PRESETS": "pretune.presets", "get_preset": "pretune.presets", "preset_names": "pretune.presets",
-    "pretrain": "pretune.pretrain", "load_run_config": "pretune.runconfig", "RunConfig": "pretune.runconfig",
+    "pretrain": "pretune.pretrain", "load_run_config": "pretune.pretrain", "RunConfig": "pretune.runconfig",
     "Tokenizer": "pretune.tokenization", "load_tokenizer": "pretune.tokenization",
     "train_tokenizer": "pretune.tokenization", "generate": "pretune.generation",
 }
@@ -60,6 +60,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .loading import Pretrained, load, load_pretrained
     from .model import KVCache, ModelOutput, TransformerLM, build_model, count_parameters
     from .presets import PRESETS, get_preset, preset_names
-    from .pretrain import pretrain
-    from .runconfig import RunConfig, load_run_config
+    from .pretrain import load_run_config, pretrain
+    from .runconfig import RunConfig
     from .tokenization import Tokenizer, load_tokenizer, train_tokenizer

@@ -1,6 +1,6 @@
 """``pretune pretrain``: raw text → tokenizer → token store → packed blocks → objective → trained checkpoint.
 
-    cfg = load_run_config("configs/pretrain/mlm-bert.yaml", ["train.steps=200"])
+    cfg = load_run_config("configs/pretrain/bert-mlm.yaml", ["train.steps=200"])
     result = pretrain(cfg)            # result.model_dir holds the finetunable checkpoint
 
 Under ``torchrun --nproc_per_node N`` the same call trains with DDP: rank 0 builds the token store,
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError
-from .runconfig import RunConfig
+from .runconfig import RunConfig, check_data, check_train, merge_layers, section
 
 MIN_BLOCK = 4  # shortest block used for training (tokens, before special tokens)
 
@@ -32,6 +32,33 @@ class PretrainResult:
     eval: dict
     seconds: float
     tokens: int
+
+
+def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                    base: dict | None = None) -> RunConfig:
+    """Build a pretraining RunConfig from defaults ← YAML file ← ``base`` ← ``section.key=value`` overrides.
+
+    Args:
+        yaml_file: optional YAML with top-level sections model/tokenizer/data/objective/train.
+        overrides: dot-list strings, e.g. ``["train.lr=1e-3", "model.preset=tiny-gpt2", "data.train=[a.txt,b.txt]"]``
+            (a leading ``--`` is accepted).
+        base: a dict merged after the YAML file (the CLI's flags: the command line beats the file).
+    Each section is checked once: ``data`` and ``train`` by their dataclasses, ``objective`` by the objective it
+    names (``pretune.objectives.objective_settings``).
+    """
+    from .objectives import objective_settings
+
+    merged = merge_layers(RunConfig().to_dict(), yaml_file, overrides, base,
+                          ["model", "tokenizer", "data", "objective", "train"])
+    if not isinstance(merged["model"], dict):
+        raise ConfigError(f"model must be a mapping (preset: NAME, field: value, ...), got {merged['model']!r}")
+    cfg = RunConfig(model=merged["model"], tokenizer=str(merged.get("tokenizer") or ""),
+                    data=section("data", type(RunConfig().data), merged.get("data") or {}),
+                    objective=objective_settings(merged.get("objective") or {}),
+                    train=section("train", type(RunConfig().train), merged.get("train") or {}))
+    check_data(cfg.data)
+    check_train(cfg.train)
+    return cfg
 
 
 def _store_key(cfg: RunConfig, tok_sha: str, sources: list[str]) -> str:
@@ -98,8 +125,6 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
             raise ConfigError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary "
                               f"({tok.vocab_size} tokens)")
         model = TransformerLM(mcfg)
-    if cfg.objective.name not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {cfg.objective.name!r}; choose one of {list(OBJECTIVES)}")
     need = OBJECTIVES[cfg.objective.name].head
     if init and need is not None and model.config.head != need:
         if dist.is_main:

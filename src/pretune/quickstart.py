@@ -145,8 +145,7 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
         log: where the step headers and each job's summary lines go.
     """
     from .finetune import finetune, load_finetune_config
-    from .pretrain import pretrain
-    from .runconfig import load_run_config
+    from .pretrain import load_run_config, pretrain
     from .tokenization import train_tokenizer
 
     plan = FAST if fast else FULL

@@ -1,8 +1,10 @@
-"""Run configs for pretraining: ``model`` / ``tokenizer`` / ``data`` / ``objective`` / ``train`` sections.
+"""Run configs: the sections every job shares (``train``, pretraining's ``data``) and the layering of them.
 
-Precedence: preset → YAML file → command-line ``--section.key=value`` overrides. OmegaConf reads and
-merges the YAML and dot-list layers (types, interpolation); every section is then validated by its
-typed dataclass below, so an unknown key or a bad value is an error naming the nearest valid one.
+Precedence: preset → YAML file → command-line flags → ``section.key=value`` overrides. OmegaConf reads and
+merges the YAML and dot-list layers (types, interpolation); every section is then validated by its typed
+dataclass (``section``), so an unknown key or a bad value is an error naming the nearest valid one. The
+``objective`` section belongs to each objective (``pretune.objectives``: ``objective_settings``) and the
+finetuning sections to ``pretune.finetune``; ``pretune.pretrain.load_run_config`` assembles a pretraining run.
 No torch import here.
 """
 
@@ -14,9 +16,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from .config import ConfigError, ModelConfig, _did_you_mean
-
-OBJECTIVES = ("clm", "prefix_lm", "mlm", "nsp", "sop", "electra", "span", "iid_spans", "bert_style", "iid_mask",
-              "drop_tokens", "deshuffle", "denoise")
 
 
 @dataclass
@@ -35,29 +34,6 @@ class DataConfig:
     block_size: int = 0  # tokens per block before the objective's special tokens; 0: as many as the model allows
     packing: Literal["full", "doc"] = "full"  # RoBERTa FULL-SENTENCES (cross documents) or DOC-SENTENCES (never)
     bucket: bool = False  # batch blocks of similar length together (useful with packing=doc: less padding)
-
-
-@dataclass
-class ObjectiveConfig:
-    """The pretraining objective and its knobs; each objective reads the fields that concern it."""
-
-    name: str = "mlm"  # one of OBJECTIVES below; `pretune pretrain --help` says which architectures serve which
-    rate: float = 0.15  # share of tokens masked / corrupted (BERT and T5: 15%)
-    mask_prob: float = 0.8  # of the selected tokens: replaced by [MASK] (BERT: 80%)
-    random_prob: float = 0.1  # ... replaced by a random token (10%); the rest stay unchanged
-    dynamic: bool = True  # new corruption every time a block is seen (RoBERTa) vs the same one every epoch (static)
-    whole_word: bool = False  # mask all subwords of a chosen word together
-    span_masking: bool = False  # SpanBERT: mask spans of whole words, lengths ~ Geometric(0.2) clipped at 10
-    mean_span: float = 3.0  # T5 span corruption: mean span length
-    electra_lambda: float = 50.0  # ELECTRA: weight of the replaced-token-detection loss (paper: 50)
-    generator_scale: float = 0.25  # ELECTRA: generator width (dim, ffn, heads) as a fraction of the discriminator's
-    infill_ratio: float = 0.3  # BART text infilling: share of tokens covered by Poisson spans
-    poisson_lambda: float = 3.0  # BART text infilling: mean span length
-    mask_ratio: float = 0.0  # BART token masking
-    delete_ratio: float = 0.0  # BART token deletion
-    permute_sentences: bool = True  # BART sentence permutation
-    rotate: bool = False  # BART document rotation
-    prefix_split: float = 0.0  # prefix LM: split point as a fraction of the block; 0: uniform at random
 
 
 @dataclass
@@ -98,14 +74,15 @@ class RunConfig:
     model: dict = field(default_factory=lambda: {"preset": "tiny-bert-base"})
     tokenizer: str = ""  # tokenizer.json (pretune tokenizer train) or a folder holding one
     data: DataConfig = field(default_factory=DataConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: Any = None  # the objective's own settings (pretune.objectives: OBJECTIVES[name].Settings)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    SECTIONS = {"data": DataConfig, "objective": ObjectiveConfig, "train": TrainConfig}
+    SECTIONS = {"data": DataConfig, "train": TrainConfig}
 
     def to_dict(self) -> dict:
-        return {"model": dict(self.model), "tokenizer": self.tokenizer,
-                **{k: dataclasses.asdict(getattr(self, k)) for k in self.SECTIONS}}
+        objective = dataclasses.asdict(self.objective) if self.objective is not None else {"name": "mlm"}
+        return {"model": dict(self.model), "tokenizer": self.tokenizer, "data": dataclasses.asdict(self.data),
+                "objective": objective, "train": dataclasses.asdict(self.train)}
 
     def model_config(self, vocab_size: int | None = None, **extra: Any) -> ModelConfig:
         """The ModelConfig: preset (``model.preset``) with the other ``model.*`` keys as overrides."""
@@ -172,33 +149,33 @@ def section(section: str, cls: type, values: dict) -> Any:
     return cls(**out)
 
 
-def _validate(cfg: RunConfig) -> RunConfig:
-    o, t, d = cfg.objective, cfg.train, cfg.data
-    if o.name not in OBJECTIVES:
-        raise ConfigError(f"objective.name={o.name!r} is not one of {list(OBJECTIVES)}"
-                          f"{_did_you_mean(o.name, OBJECTIVES)}")
-    for name in ("rate", "infill_ratio", "mask_ratio", "delete_ratio"):
-        v = getattr(o, name)
-        if not 0.0 <= v < 1.0:
-            raise ConfigError(f"objective.{name}={v} must be in [0, 1)")
-    if not 0 < o.rate:
-        raise ConfigError(f"objective.rate={o.rate} must be > 0")
-    if o.mask_prob + o.random_prob > 1.0 + 1e-9 or min(o.mask_prob, o.random_prob) < 0:
-        raise ConfigError(f"objective.mask_prob ({o.mask_prob}) + random_prob ({o.random_prob}) must be within [0, 1]")
-    if t.steps < 1 or t.batch_size < 1 or t.grad_accum < 1:
-        raise ConfigError(f"train.steps ({t.steps}), batch_size ({t.batch_size}) and grad_accum ({t.grad_accum}) "
-                          "must be ≥ 1")
-    if t.batch_size % t.grad_accum:
-        raise ConfigError(f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})")
+def check_batch(t: TrainConfig, world: int = 1) -> None:
+    """The batch rule, checked once wherever the number of processes is known: every optimizer step's
+    ``batch_size`` examples split evenly over ``world`` processes x ``grad_accum`` micro-batches."""
+    if t.batch_size < 1 or t.grad_accum < 1:
+        raise ConfigError(f"train.batch_size ({t.batch_size}) and train.grad_accum ({t.grad_accum}) must be >= 1")
+    if t.batch_size % (t.grad_accum * world):
+        procs = f" x processes ({world})" if world > 1 else ""
+        raise ConfigError(f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum "
+                          f"({t.grad_accum}){procs}")
+
+
+def check_train(t: TrainConfig) -> None:
+    """The ``train`` section's own rules (the batch rule with one process)."""
+    if t.steps < 1:
+        raise ConfigError(f"train.steps ({t.steps}) must be >= 1")
+    check_batch(t)
     if t.lr <= 0:
         raise ConfigError(f"train.lr={t.lr} must be > 0")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+
+
+def check_data(d: DataConfig) -> None:
     if d.block_size < 0:
         raise ConfigError(f"data.block_size={d.block_size} must be ≥ 0 (0 = as long as the model allows)")
     if not 0 <= d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
-    if not isinstance(cfg.model, dict):
-        raise ConfigError(f"model must be a mapping (preset: NAME, field: value, ...), got {cfg.model!r}")
-    return cfg
 
 
 def _bundled_path(name: str) -> str:
@@ -259,20 +236,3 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
     model = merged.get("model") or {}
     merged["model"] = {"preset": model} if isinstance(model, str) else dict(model)
     return merged
-
-
-def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                    base: dict | None = None) -> RunConfig:
-    """Build a RunConfig from defaults ← ``base`` ← YAML file ← ``section.key=value`` overrides.
-
-    Args:
-        yaml_file: optional YAML with top-level sections model/tokenizer/data/objective/train.
-        overrides: dot-list strings, e.g. ``["train.lr=1e-3", "model.preset=tiny-gpt2", "data.train=[a.txt,b.txt]"]``
-            (a leading ``--`` is accepted).
-        base: a dict merged before the YAML file (the CLI's convenience flags).
-    """
-    merged = merge_layers(RunConfig().to_dict(), yaml_file, overrides, base,
-                          ["model", "tokenizer", *RunConfig.SECTIONS])
-    cfg = RunConfig(model=merged["model"], tokenizer=str(merged.get("tokenizer") or ""),
-                    **{k: section(k, cls, merged.get(k) or {}) for k, cls in RunConfig.SECTIONS.items()})
-    return _validate(cfg)

@@ -15,9 +15,9 @@ import pretune
 from pretune.data.packing import Block, pack_blocks
 from pretune.data.readers import iter_documents
 from pretune.data.store import build_store
-from pretune.objectives import IGNORE, build_objective, t5
+from pretune.objectives import IGNORE, build_objective, objective_settings, t5
 from pretune.objectives.encoder import Electra
-from pretune.runconfig import ObjectiveConfig, TrainConfig
+from pretune.runconfig import TrainConfig
 from pretune.tokenization import Tokenizer
 from pretune.train.loop import ExampleSet, Trainer
 
@@ -48,7 +48,7 @@ def _model(preset: str, tok: Tokenizer, **kw):
 
 def _objective(name: str, preset: str, tok: Tokenizer, **cfg):
     model = _model(preset, tok)
-    return build_objective(ObjectiveConfig(name=name, **cfg), model, tok), model
+    return build_objective(objective_settings(name=name, **cfg), model, tok), model
 
 
 def _rng(i: int, epoch: int = 0, seed: int = 0) -> np.random.Generator:

@@ -5,11 +5,10 @@ import warnings
 
 import pytest
 
+from pretune.tasks import DEFAULT_METRIC, TASK_METRICS
 from pretune.tasks.metrics import (
-    DEFAULT_METRIC,
     HIGHER_IS_BETTER,
     METRICS,
-    TASK_METRICS,
     accuracy,
     bleu,
     compute,

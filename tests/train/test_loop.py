@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from pretune.checkpoint import read_weights
-from pretune.pretrain import prepare, pretrain
-from pretune.runconfig import load_run_config
+from pretune.pretrain import load_run_config, prepare, pretrain
 from pretune.train.loop import Trainer, TrainingDiverged
 from pretune.train.state import list_checkpoints
 

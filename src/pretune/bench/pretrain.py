@@ -115,8 +115,8 @@ class _PretuneRun:
 
     def __init__(self, job: Job, run_dir: str, record: list | None):
         from ..model import build_model
-        from ..objectives import build_objective
-        from ..runconfig import ObjectiveConfig, TrainConfig
+        from ..objectives import build_objective, objective_settings
+        from ..runconfig import TrainConfig
         from ..tokenization import Tokenizer
         from ..train.loop import ExampleSet, Trainer
 
@@ -125,7 +125,7 @@ class _PretuneRun:
         n = _n_examples(job, len(blocks))
         model = build_model("bert-base", **job.shape, max_seq_len=job.max_seq_len, dropout=job.dropout,
                             attn_dropout=job.dropout, pad_token_id=tok.pad_id)
-        objective = build_objective(ObjectiveConfig(name="mlm"), model, tok)
+        objective = build_objective(objective_settings(name="mlm"), model, tok)
         data = ExampleSet(get=blocks.__getitem__, train_ids=np.arange(n, dtype=np.int64),
                           eval_ids=np.zeros(0, dtype=np.int64), lengths=blocks.lengths)
         cfg = TrainConfig(out=run_dir, steps=job.warmup + job.steps, batch_size=job.batch, grad_accum=1, lr=job.lr,

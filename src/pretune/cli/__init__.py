@@ -225,8 +225,7 @@ def cmd_data_tokenize(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from ..pretrain import pretrain
-    from ..runconfig import load_run_config
+    from ..pretrain import load_run_config, pretrain
 
     base: dict = {}
     if args.preset:
@@ -307,7 +306,7 @@ def _task_overrides(args) -> dict:
 
 
 def cmd_evaluate(args) -> int:
-    from ..finetune import evaluate, format_scores
+    from ..inference import evaluate, format_scores
 
     metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                        precision=args.precision, show_progress=not args.quiet, base=args.base or "")
@@ -319,7 +318,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from ..finetune import predict
+    from ..inference import predict
 
     n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                 precision=args.precision, show_progress=not args.quiet, base=args.base or "")

@@ -12,6 +12,7 @@ forward pass; ``loss(model, batch, totals)`` returns Σ_term weight · sum_term 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,8 +23,30 @@ from ..config import ConfigError
 from ..model.layout import IGNORE, check_family
 
 
+@dataclass
+class Settings:
+    """An objective's section of a run config (``objective: {name: ..., ...}``). Each objective owns a subclass
+    with its own knobs; keys of another objective are an error, so nothing set is silently ignored."""
+
+    name: str = "mlm"  # the objective (pretune.objectives.OBJECTIVES; `pretune pretrain --help` lists them)
+
+    def validate(self) -> None:
+        """Check the values (each rule once, here or in the subclass); raise ConfigError naming the key."""
+
+
+def _in_unit(settings, *names: str, low_open: bool = False) -> None:
+    """Each ``objective.<name>`` must lie in [0, 1) ((0, 1) with ``low_open``)."""
+    for name in names:
+        v = getattr(settings, name)
+        if not (0.0 < v < 1.0 if low_open else 0.0 <= v < 1.0):
+            raise ConfigError(f"objective.{name}={v} must be in {'(0, 1)' if low_open else '[0, 1)'}")
+
+
 class Objective(nn.Module):
-    """Base class. Subclasses set ``name``, ``archs`` (families that can serve it) and ``why``."""
+    """Base class. Subclasses set ``name``, ``archs`` (families that can serve it), ``why`` and ``Settings``."""
+
+    Settings: ClassVar[type[Settings]] = Settings  # this objective's config section (its knobs)
+    term_weights: ClassVar[dict[str, float]] = {}  # weight of each loss term in the evaluated total (default 1)
 
     name: ClassVar[str]
     archs: ClassVar[tuple[str, ...]]  # the model families (ModelConfig.arch values) that can serve it

@@ -2,21 +2,58 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from ..model.layers import ACTIVATIONS
-from .base import IGNORE, Objective, require, summed_ce, with_specials
+from .base import IGNORE, Objective, Settings, _in_unit, require, summed_ce, with_specials
 from .masking import mlm_example, sentence_pair
 
 _HINT = "train a WordPiece (BERT specials) or BPE (RoBERTa specials) tokenizer with `pretune tokenizer train`"
+
+
+@dataclass
+class MaskingSettings(Settings):
+    """Masked LM (mlm, nsp, sop): which tokens are masked and how."""
+
+    rate: float = 0.15  # share of tokens selected for prediction (BERT: 15%)
+    mask_prob: float = 0.8  # of the selected tokens: replaced by [MASK] (BERT: 80%)
+    random_prob: float = 0.1  # ... replaced by a random token (10%); the rest stay unchanged
+    dynamic: bool = True  # new masks every time a block is seen (RoBERTa) vs the same ones every epoch (static)
+    whole_word: bool = False  # mask all subwords of a chosen word together
+    span_masking: bool = False  # SpanBERT: mask spans of whole words, lengths ~ Geometric(0.2) clipped at 10
+
+    def validate(self):
+        _in_unit(self, "rate", low_open=True)
+        if self.mask_prob + self.random_prob > 1.0 + 1e-9 or min(self.mask_prob, self.random_prob) < 0:
+            raise ConfigError(f"objective.mask_prob ({self.mask_prob}) + random_prob ({self.random_prob}) must be "
+                              "within [0, 1]")
+
+
+@dataclass
+class ElectraSettings(MaskingSettings):
+    """ELECTRA: the generator's masked LM plus replaced-token detection."""
+
+    electra_lambda: float = 50.0  # weight of the replaced-token-detection loss (Clark et al. 2020: 50)
+    generator_scale: float = 0.25  # generator width (dim, ffn, heads) as a fraction of the discriminator's
+
+    def validate(self):
+        super().validate()
+        if self.electra_lambda < 0:
+            raise ConfigError(f"objective.electra_lambda={self.electra_lambda} must be >= 0")
+        if not 0 < self.generator_scale <= 1:
+            raise ConfigError(f"objective.generator_scale={self.generator_scale} must be in (0, 1]")
 
 
 class MaskedLM(Objective):
     """BERT: select 15% of tokens; 80% → [MASK], 10% → random, 10% kept; predict the originals."""
 
     name = "mlm"
+    Settings = MaskingSettings
     head = "mlm"
     archs = ("encoder",)
     why = "masked LM predicts tokens from both sides, so it needs a bidirectional encoder (a decoder-only model " \
@@ -130,6 +167,7 @@ class Electra(MaskedLM):
     being pretrained) labels every token original/replaced. Loss = MLM + λ·RTD (λ = 50, Clark et al. 2020)."""
 
     name = "electra"
+    Settings = ElectraSettings
     head = None  # the discriminator's RTD head lives in the objective; the generator has its own MLM head
     why = "replaced-token detection classifies every token with both-side context, so it needs an encoder;"
 
@@ -144,6 +182,7 @@ class Electra(MaskedLM):
                                     ffn_dim=max(1, int(model_cfg.ffn_dim * s)), head="mlm", pooler=False,
                                     embed_dim=model_cfg.embedding_dim if model_cfg.embedding_dim != dim else None)
         self.generator = TransformerLM(gen_cfg)  # ELECTRA: generator ~1/4 of the discriminator's width
+        self.term_weights = {"rtd": cfg.electra_lambda}
         self.rtd_head = RTDHead(model_cfg.dim, model_cfg.head_act)
         if model is not None:
             self.share_embeddings(model)

@@ -8,13 +8,74 @@ source, as in T5's decoder-only variants, Raffel et al. 2019 §3.2.1) and is tra
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..config import ConfigError
 from ..model.layout import layout_of
 from . import bart, t5
-from .base import IGNORE, Objective
+from .base import IGNORE, Objective, Settings, _in_unit
 from .lm import lm_loss_sum
+
+
+@dataclass
+class NoiseSettings(Settings):
+    """T5's i.i.d. corruptions (bert_style, iid_mask, iid_spans, drop_tokens): how many tokens are noised."""
+
+    rate: float = 0.15  # share of tokens corrupted (T5: 15%)
+    dynamic: bool = True  # new corruption every time a block is seen vs the same one every epoch (static)
+
+    def validate(self):
+        _in_unit(self, "rate", low_open=True)
+
+
+@dataclass
+class SpanSettings(NoiseSettings):
+    """T5 span corruption."""
+
+    mean_span: float = 3.0  # mean length of a corrupted span (T5: 3)
+
+    def validate(self):
+        super().validate()
+        if self.mean_span < 1:
+            raise ConfigError(f"objective.mean_span={self.mean_span} must be >= 1")
+
+
+@dataclass
+class ShuffleSettings(Settings):
+    """T5 deshuffling: no knob but the shuffle itself."""
+
+    dynamic: bool = True  # a new order every time a block is seen vs the same one every epoch (static)
+
+
+@dataclass
+class DenoiseSettings(Settings):
+    """BART denoising: which noising functions, how much."""
+
+    infill_ratio: float = 0.3  # text infilling: share of tokens covered by Poisson spans (one mask each)
+    poisson_lambda: float = 3.0  # text infilling: mean span length
+    mask_ratio: float = 0.0  # token masking: share of tokens replaced by the mask
+    delete_ratio: float = 0.0  # token deletion: share of tokens removed
+    permute_sentences: bool = True  # sentence permutation
+    rotate: bool = False  # document rotation (to a random word start)
+    dynamic: bool = True  # new noise every time a block is seen vs the same one every epoch (static)
+
+    def validate(self):
+        _in_unit(self, "infill_ratio", "mask_ratio", "delete_ratio")
+        if self.poisson_lambda <= 0:
+            raise ConfigError(f"objective.poisson_lambda={self.poisson_lambda} must be > 0")
+
+
+@dataclass
+class PrefixSettings(Settings):
+    """Prefix LM: where each block is split into prefix and continuation."""
+
+    prefix_split: float = 0.0  # split point as a fraction of the block; 0: uniform at random
+    dynamic: bool = True  # a new split point every time a block is seen vs the same one every epoch (static)
+
+    def validate(self):
+        _in_unit(self, "prefix_split")
 
 
 class Seq2Seq(Objective):
@@ -91,6 +152,7 @@ class SpanCorruption(Seq2Seq):
     """T5: spans (mean length 3) covering 15% of tokens → one sentinel each; target = sentinel + span ..."""
 
     name = "span"
+    Settings = SpanSettings
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
@@ -105,6 +167,7 @@ class IidSpans(SpanCorruption):
     """T5 "i.i.d. noise, replace spans": tokens noised independently; consecutive ones share a sentinel."""
 
     name = "iid_spans"
+    Settings = NoiseSettings
 
     def corrupt(self, tokens, rng, block):
         return t5.iid_replace_spans(tokens, rng, sentinel_ids=self.sentinels, noise_density=self.cfg.rate)
@@ -114,6 +177,7 @@ class BertStyle(Seq2Seq):
     """T5 "BERT-style": 15% of tokens → 80% mask / 10% random / 10% kept; target = the original text."""
 
     name = "bert_style"
+    Settings = NoiseSettings
 
     def corrupt(self, tokens, rng, block):
         return t5.bert_style(tokens, rng, mask_id=_mask_id(self.tok, self.name), vocab_size=self.tok.vocab_size,
@@ -124,6 +188,7 @@ class IidMask(Seq2Seq):
     """T5 "i.i.d. noise, mask tokens": each noised token → mask; target = the original text."""
 
     name = "iid_mask"
+    Settings = NoiseSettings
 
     def corrupt(self, tokens, rng, block):
         return t5.iid_mask_tokens(tokens, rng, mask_id=_mask_id(self.tok, self.name), noise_density=self.cfg.rate)
@@ -133,6 +198,7 @@ class DropTokens(Seq2Seq):
     """T5 "i.i.d. noise, drop tokens": noised tokens removed from the input; target = the dropped tokens."""
 
     name = "drop_tokens"
+    Settings = NoiseSettings
 
     def corrupt(self, tokens, rng, block):
         return t5.drop_tokens(tokens, rng, noise_density=self.cfg.rate)
@@ -142,6 +208,7 @@ class Deshuffle(Seq2Seq):
     """T5 "deshuffling": input = the tokens in random order; target = the original text."""
 
     name = "deshuffle"
+    Settings = ShuffleSettings
 
     def corrupt(self, tokens, rng, block):
         return t5.deshuffle(tokens, rng)
@@ -151,6 +218,7 @@ class Denoise(Seq2Seq):
     """BART: masking, deletion, Poisson(λ) infilling, sentence permutation, rotation; target = original."""
 
     name = "denoise"
+    Settings = DenoiseSettings
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
@@ -172,6 +240,7 @@ class PrefixLM(Seq2Seq):
     Decoder-only: one sequence with a bidirectional prefix (no separator); encoder-decoder: prefix → encoder."""
 
     name = "prefix_lm"
+    Settings = PrefixSettings
     why = "the continuation is generated by a decoder;"
     corrupts = True  # the split point is random
     continuation = True

@@ -20,6 +20,8 @@ from .tagging import Tagging
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq,
                                                           Choice)}
+TASK_METRICS: dict[str, list[str]] = {name: list(cls.metrics) for name, cls in TASKS.items()}  # what each reports
+DEFAULT_METRIC: dict[str, str] = {name: cls.default_metric for name, cls in TASKS.items()}  # model selection
 
 
 def build_task(cfg: TaskConfig, model_cfg, tokenizer) -> Task:
@@ -27,4 +29,5 @@ def build_task(cfg: TaskConfig, model_cfg, tokenizer) -> Task:
     return TASKS[cfg.name](cfg, model_cfg, tokenizer)
 
 
-__all__ = ["TASKS", "Task", "TaskConfig", "Record", "Layout", "read_records", "build_task"]
+__all__ = ["TASKS", "TASK_METRICS", "DEFAULT_METRIC", "Task", "TaskConfig", "Record", "Layout", "read_records",
+           "build_task"]

@@ -23,14 +23,13 @@ from ..objectives.base import IGNORE, Objective
 
 __all__ = ["Task", "TaskConfig", "Layout", "Record", "read_records", "get_field", "IGNORE"]
 
-TaskName = Literal["classification", "pair", "regression", "tagging", "qa", "seq2seq", "choice"]
 
 
 @dataclass
 class TaskConfig:
     """What the data looks like and how it becomes model inputs; each task reads the fields it needs."""
 
-    name: TaskName = "classification"  # the downstream task (see `pretune finetune --help`)
+    name: str = "classification"  # the downstream task: a name of pretune.tasks.TASKS (see `pretune finetune --help`)
     text_field: str = "text"  # classification / regression: the input text
     text_a_field: str = "text_a"  # pair (and pair regression): first sentence
     text_b_field: str = "text_b"  # pair: second sentence; regression uses it when the record has it
@@ -81,6 +80,8 @@ class Task(Objective):
     model_head: ClassVar[str]  # ModelConfig.head the task trains
     has_labels: ClassVar[bool] = False  # a discrete label map lives in the model config
     term = "task"  # the loss term name in logs (task_loss, task_acc)
+    metrics: ClassVar[tuple[str, ...]] = ()  # the metrics it reports (names of tasks.metrics.METRICS)
+    default_metric: ClassVar[str] = ""  # the dev metric of model selection and early stopping (task.metric)
     labels_in_task: ClassVar[bool] = False  # the label set lives in task.json (task.labels), not the model
 
     def __init_subclass__(cls, **kw):
@@ -152,6 +153,18 @@ class Task(Objective):
     def prediction_json(self, rec: Record, pred) -> dict:
         """One line of ``pretune predict`` output."""
         return {"prediction": pred}
+
+    def score(self, predictions: list, references: list) -> dict:
+        """The task's metrics of ``predictions`` against ``references`` (tasks/metrics.py)."""
+        from .metrics import compute
+
+        return compute(list(self.metrics), predictions, references)
+
+    @staticmethod
+    def higher_is_better(metric: str) -> bool:
+        from .metrics import HIGHER_IS_BETTER
+
+        return HIGHER_IS_BETTER.get(metric, True)
 
 
 # -- input layouts shared by the sentence tasks ---------------------------------------------------

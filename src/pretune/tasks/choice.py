@@ -30,6 +30,8 @@ from .classify import Classification, _label_str
 class Choice(Task):
     name = "choice"
     model_head = "lm"
+    metrics = ("accuracy", "macro_f1", "micro_f1", "mcc")
+    default_metric = "accuracy"
     archs = ("encoder-decoder", "decoder")
     why = "scoring answer choices needs a language model that writes them;"
     labels_in_task = True  # the label set is saved in task.json (the LM head has no label map)

@@ -41,6 +41,8 @@ class Classification(Task):
 
     name = "classification"
     model_head = "classification"
+    metrics = ("accuracy", "macro_f1", "micro_f1", "mcc")
+    default_metric = "accuracy"
     has_labels = True
     pair = False
 
@@ -111,6 +113,8 @@ class Regression(Classification):
 
     name = "regression"
     model_head = "regression"
+    metrics = ("pearson", "spearman", "mse")
+    default_metric = "pearson"
     has_labels = False
 
     def texts(self, rec: Record):

@@ -16,7 +16,7 @@ Conventions:
 
     compute(["accuracy", "macro_f1"], preds=["pos", "neg"], refs=["pos", "pos"])
     # {'accuracy': 0.5, 'macro_f1': 0.333...}
-    compute(TASK_METRICS["qa"], preds=["Eiffel"], refs=[["Eiffel Tower"]])
+    compute(["exact_match", "f1"], preds=["Eiffel"], refs=[["Eiffel Tower"]])   # a task's metrics: Task.metrics
     # {'exact_match': 0.0, 'f1': 66.66...}
 
 Note the registry name ``"f1"`` is SQuAD's token F1 (as in the SQuAD reports); classification F1 is
@@ -312,27 +312,6 @@ METRICS: dict[str, Callable[[Sequence, Sequence], float | dict[str, float]]] = {
     "exact_match_text": exact_match_text,
     "rouge_l": rouge_l,
     "bleu": bleu,
-}
-
-_CLS = ["accuracy", "macro_f1", "micro_f1", "mcc"]
-TASK_METRICS: dict[str, list[str]] = {
-    "classification": list(_CLS),
-    "pair": list(_CLS),
-    "regression": ["pearson", "spearman", "mse"],
-    "tagging": ["entity_f1", "tag_accuracy"],
-    "qa": ["exact_match", "f1"],
-    "seq2seq": ["exact_match_text", "rouge_l", "bleu"],
-    "choice": list(_CLS),
-}
-
-DEFAULT_METRIC: dict[str, str] = {
-    "classification": "accuracy",
-    "pair": "accuracy",
-    "regression": "pearson",
-    "tagging": "entity_f1",
-    "qa": "f1",
-    "seq2seq": "rouge_l",
-    "choice": "accuracy",
 }
 
 # every key that ``compute`` can return (plus the LM ones), for picking the best checkpoint

@@ -23,6 +23,8 @@ _META = ("offsets", "window", "record")
 class QA(Task):
     name = "qa"
     model_head = "qa"
+    metrics = ("exact_match", "f1")
+    default_metric = "f1"
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)

@@ -23,6 +23,8 @@ from .base import Record, Task, get_field
 class Seq2Seq(Task):
     name = "seq2seq"
     model_head = "lm"
+    metrics = ("exact_match_text", "rouge_l", "bleu")  # + perplexity of the targets (inference.evaluate_task)
+    default_metric = "rouge_l"
     archs = ("encoder-decoder", "decoder")
     why = "text-to-text needs a decoder to write the output;"
     term = "lm"

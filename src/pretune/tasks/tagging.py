@@ -22,6 +22,8 @@ from .base import Layout, Record, Task, get_field
 class Tagging(Task):
     name = "tagging"
     model_head = "tagging"
+    metrics = ("entity_f1", "tag_accuracy")
+    default_metric = "entity_f1"
     has_labels = True
 
     def __init__(self, cfg, model_cfg, tokenizer):

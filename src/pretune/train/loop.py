@@ -81,14 +81,16 @@ class Trainer:
         bucket: group examples of similar length into batches.
         run_config: saved as run.yaml in each checkpoint.
         evaluator: extra evaluation (finetuning: task metrics on the dev set), merged into evaluate().
-        on_eval: called as ``on_eval(step, metrics)`` after every evaluation; returning True stops
-            training early (early stopping; keep-best lives in the callback).
+        callbacks: :class:`~pretune.train.callbacks.Callback` objects (keep-best, early stopping, ...), called
+            after every evaluation and at the end; their state is checkpointed with the run.
+        param_lr: a peak learning rate of its own for some parameters (``id(param) -> lr``), e.g. a task head.
     """
 
     def __init__(self, *, model, objective, data: ExampleSet, cfg, run_dir, tokenizer=None,
                  dist: DistInfo | None = None, bucket: bool = False, run_config=None, show_progress: bool = True,
-                 evaluator: Callable[[], dict] | None = None, on_eval: Callable[[int, dict], bool] | None = None,
+                 evaluator: Callable[[], dict] | None = None, callbacks: Sequence | None = None,
                  param_lr: dict[int, float] | None = None):
+        from ..runconfig import check_batch
         from .optim import build_optimizer, build_scheduler
 
         self.model, self.objective, self.data, self.cfg = model, objective, data, cfg
@@ -96,12 +98,11 @@ class Trainer:
         self.tokenizer, self.run_config, self.bucket = tokenizer, run_config, bucket
         self.dist = dist or DistInfo()
         self.show_progress = show_progress
-        self.evaluator, self.on_eval = evaluator, on_eval
+        self.evaluator = evaluator
+        self.callbacks = list(callbacks or [])
         self.stopped_early = False
         d = self.dist
-        if cfg.batch_size % (d.world * cfg.grad_accum):
-            raise ValueError(f"train.batch_size ({cfg.batch_size}) must be divisible by processes ({d.world}) x "
-                             f"grad_accum ({cfg.grad_accum})")
+        check_batch(cfg, world=d.world)
         if len(data.train_ids) < cfg.batch_size:
             raise ValueError(f"train.batch_size ({cfg.batch_size}) is larger than the training set "
                              f"({len(data.train_ids)} examples): lower it or add data")
@@ -110,8 +111,11 @@ class Trainer:
         if d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
+            # DDP must be told when some trainable parameter gets no gradient (a BERT pooler under a task head that
+            # pools [CLS] itself, ...): it then searches the graph every step, so ask only when it is needed
+            unused = self._unused_parameters()
             self.ddp = DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                           find_unused_parameters=True)
+                           find_unused_parameters=bool(unused))
         self.optimizer = build_optimizer([model, objective], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad,
                                          param_lr=param_lr)
@@ -126,6 +130,25 @@ class Trainer:
         self.position = {"epoch": 0, "batch": 0}
         self._plan_epoch = None
         self._plan: list[np.ndarray] = []
+
+    def _unused_parameters(self) -> list[str]:
+        """Names of trainable parameters that no loss term reaches, found by one forward/backward pass over two
+        training examples (the random number generators are put back afterwards, so the run is unchanged)."""
+        rng = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if self.dist.device.type == "cuda" else None
+        try:
+            batch = self.make_batch(self.data.train_ids[:2], epoch=0)
+            totals = {k: max(float(v), 1.0) for k, v in self.objective.counts(batch).items()}
+            self.module.train()
+            loss, _ = self.module(_to(batch, self.dist.device), totals)
+            loss.backward()
+            unused = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        finally:
+            self.module.zero_grad(set_to_none=True)
+            torch.set_rng_state(rng)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        return unused
 
     # -- data --------------------------------------------------------------------------------------
     def _rng(self, example_id: int, epoch: int) -> np.random.Generator:
@@ -262,7 +285,7 @@ class Trainer:
         red = dict(zip(keys, vals.tolist()))
         out: dict[str, float] = {}
         total = 0.0
-        weights = {"rtd": getattr(self.objective.cfg, "electra_lambda", 1.0)}
+        weights = getattr(self.objective, "term_weights", {})  # e.g. ELECTRA's lambda on its RTD term
         for k in sorted(x[:-2] for x in red if x.endswith("_n")):
             n = max(red[f"{k}_n"], 1.0)
             if f"{k}_loss" in red:
@@ -283,7 +306,8 @@ class Trainer:
             path = save_training_state(self.run_dir, step=self.step, model=self.model, objective=self.objective,
                                        optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
                                        position=dict(self.position), rng_states=rng, run_config=self.run_config,
-                                       keep_last=self.cfg.keep_last)
+                                       keep_last=self.cfg.keep_last,
+                                       callbacks=[cb.state_dict() for cb in self.callbacks])
         barrier(self.dist)
         return path or (self.run_dir / "checkpoints" / f"step-{self.step:08d}")
 
@@ -299,9 +323,17 @@ class Trainer:
             raise ValueError(f"{ckpts[-1]} was written by {len(rngs)} process(es); resume it with the same number "
                              f"(now {self.dist.world})")
         torch.set_rng_state(rngs[self.dist.rank])
+        for cb, cb_state in zip(self.callbacks, state.get("callbacks") or []):
+            cb.load_state_dict(cb_state)
         self.step = int(state["step"])
         self.position = {k: int(v) for k, v in state["position"].items()}
         return self.step
+
+    def _after_evaluation(self, metrics: dict) -> bool:
+        """Run every callback's ``on_evaluate``; True when one asks to stop."""
+        for cb in self.callbacks:
+            cb.on_evaluate(self, self.step, metrics)
+        return any(cb.stop for cb in self.callbacks)
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
@@ -344,7 +376,7 @@ class Trainer:
                     logger.log(self.step, "eval", **eval_out)
                     if d.is_main and eval_out and self.show_progress:
                         bar.write(_fmt_eval(self.step, eval_out))
-                    if self.on_eval is not None and self.on_eval(self.step, eval_out):
+                    if self._after_evaluation(eval_out):
                         self.stopped_early = True
                         log(f"early stop at step {self.step}: no dev improvement") if d.is_main else None
                         break
@@ -357,10 +389,11 @@ class Trainer:
                         logger.log(self.step, "eval", **eval_out)
                         if d.is_main and self.show_progress:
                             bar.write(_fmt_eval(self.step, eval_out))
-                    if self.on_eval is not None:
-                        self.on_eval(self.step, eval_out)
+                    self._after_evaluation(eval_out)
                 if cfg.keep_last:
                     ckpt = self.save_checkpoint()
+            for cb in self.callbacks:
+                cb.on_train_end(self)
         finally:
             bar.close()
             logger.close()

@@ -4,7 +4,9 @@ Layout of ``<run>/checkpoints/step-00000100/`` (written to a temp folder, then r
 
     model/                  a plain pretune checkpoint (config.json, model.safetensors, tokenizer.json)
     objective.safetensors   pretraining-only weights (NSP head, ELECTRA generator), if any
-    trainer.pt              optimizer, scheduler, step, data position, RNG states (torch.load weights_only)
+    trainer.pt              optimizer, scheduler, step, data position, RNG states, callbacks' plain state
+                            (torch.load weights_only)
+    callbacks.safetensors   callbacks' tensors (keep-best's copy of the best weights), if any
     run.yaml                the resolved run config
 """
 
@@ -44,16 +46,25 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def save_training_state(run_dir: str | Path, *, step: int, model, objective, optimizer, scheduler, tokenizer,
-                        position: dict, rng_states: list, run_config=None, keep_last: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last``."""
+                        position: dict, rng_states: list, run_config=None, keep_last: int = 2,
+                        callbacks: list[dict] | None = None) -> Path:
+    """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last``. ``callbacks``: each
+    callback's state_dict (its tensors go to callbacks.safetensors, the rest to trainer.pt)."""
     path = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+    plain, tensors = [], {}
+    for i, cb in enumerate(callbacks or []):
+        plain.append({k: v for k, v in cb.items() if not isinstance(v, torch.Tensor)})
+        tensors.update({f"{i}/{k}": v.detach().contiguous().cpu() for k, v in cb.items()
+                        if isinstance(v, torch.Tensor)})
     with atomic_folder(path) as tmp:
         save(objective.finetunable(model), tmp / "model", tokenizer=tokenizer)
         extra = objective_state(objective, model)
         if extra:
             save_file(extra, str(tmp / "objective.safetensors"), metadata={"format": "pt", "library": "pretune"})
+        if tensors:
+            save_file(tensors, str(tmp / "callbacks.safetensors"), metadata={"format": "pt", "library": "pretune"})
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "position": position, "rng": rng_states, "format": 1}, tmp / "trainer.pt")
+                    "position": position, "rng": rng_states, "callbacks": plain, "format": 1}, tmp / "trainer.pt")
         if run_config is not None:
             run_config.save(tmp / "run.yaml")
     for old in list_checkpoints(run_dir)[:-max(1, keep_last)]:
@@ -91,4 +102,11 @@ def load_training_state(path: str | Path, *, model, objective, optimizer, schedu
     state = torch.load(trainer_file, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    cb_file = path / "callbacks.safetensors"
+    if cb_file.is_file():  # the callbacks' tensors back into their states
+        cbs = [dict(c) for c in state.get("callbacks") or []]
+        for key, t in read_weights(cb_file).items():
+            i, _, name = key.partition("/")
+            cbs[int(i)][name] = t
+        state["callbacks"] = cbs
     return state

@@ -1,6 +1,6 @@
 """The PEFT methods, one module each: ``NAME``, ``HELP``, ``PARTS`` (the parameter-name parts of its modules),
-``MERGEABLE``, ``validate(cfg)``, ``inject(model, cfg, name, ctx)`` and, when it puts modules into the model,
-``strip(model)``. A new method is one new module here plus one line in ``METHODS``."""
+``MERGEABLE``, ``DEFAULT_LR``, ``validate(cfg)``, ``inject(model, cfg, name, ctx)`` and, when it puts modules
+into the model, ``strip(model)``. A new method is one new module here plus one line in ``METHODS``."""
 
 from __future__ import annotations
 

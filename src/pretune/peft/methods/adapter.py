@@ -12,6 +12,7 @@ NAME = "adapter"
 HELP = "Houlsby bottleneck (down, nonlinearity, up, residual) after attention and after the FFN"
 PARTS = ("adapters",)
 MERGEABLE = False  # adds computation
+DEFAULT_LR = 1e-3  # peak learning rate when train.lr is not set (Houlsby et al. 2019 search 3e-5..3e-3)
 BRANCHES = ("attn_drop", "ffn_drop")  # the branch outputs an adapter wraps
 ACTIVATIONS = ("relu", "gelu", "swish", "tanh")
 

@@ -10,6 +10,7 @@ NAME = "bitfit"
 HELP = "train only the bias terms (+ the task head) (Ben Zaken et al. 2021)"
 PARTS = ()
 MERGEABLE = True  # the trained biases are the model's own
+DEFAULT_LR = 1e-3  # peak learning rate when train.lr is not set (Ben Zaken et al. 2021 search 1e-4..1e-3)
 
 
 def validate(cfg) -> None:

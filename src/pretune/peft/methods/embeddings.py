@@ -11,6 +11,7 @@ NAME = "embeddings"
 HELP = "train the token embedding matrix only (language adaptation)"
 PARTS = ()
 MERGEABLE = True  # the trained matrix is the model's own
+DEFAULT_LR = 1e-4  # when train.lr is not set (the whole matrix moves, as in full finetuning)
 
 
 def validate(cfg) -> None:

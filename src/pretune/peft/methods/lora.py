@@ -14,6 +14,7 @@ NAME = "lora"
 HELP = "low-rank update W0 + (alpha/r) B A of the target linear layers (Hu et al. 2021)"
 PARTS = ("lora_A", "lora_B")
 MERGEABLE = True  # folds into W0 (merge / peft merge)
+DEFAULT_LR = 1e-3  # when train.lr is not set (Hu et al. 2021: 2e-4..5e-4 for RoBERTa-base; small models: more)
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
 BIAS = ("none", "all", "lora_only")
 

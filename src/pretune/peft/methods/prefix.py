@@ -11,6 +11,7 @@ NAME = "prefix"
 HELP = "trainable key/value prefixes at every self-attention layer (Li & Liang 2021)"
 PARTS = (PREFIX_DICT,)
 MERGEABLE = False  # adds key/value columns
+DEFAULT_LR = 1e-2  # when train.lr is not set (prefixes learn slowly from a small init; P-tuning v2: 5e-3..1e-2)
 
 
 def validate(cfg) -> None:

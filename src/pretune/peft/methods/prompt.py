@@ -13,6 +13,7 @@ NAME = "prompt"
 HELP = "a soft prompt of n_virtual trainable embeddings prepended to the input (Lester et al. 2021)"
 PARTS = (PROMPT_DICT,)
 MERGEABLE = False  # adds input positions
+DEFAULT_LR = 3e-2  # when train.lr is not set (Lester et al. 2021: 0.3 with Adafactor; AdamW needs less)
 
 
 def validate(cfg) -> None:
