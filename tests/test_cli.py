@@ -59,3 +59,54 @@ def test_convert_of_a_config_without_hf_equivalent_is_a_clear_error(tmp_path, ca
     err = capsys.readouterr().err
     assert "no Hugging Face equivalent" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_finetune_print_config_shows_the_steps_the_run_takes(tmp_path, capsys):
+    """``finetune --epochs 1 --print-config`` reads the data and prints the values the run will use, derived ones
+    marked: steps = ceil(epochs x train examples // batch), warmup, evaluation interval, the method's learning rate."""
+    import json
+
+    import yaml
+
+    from conftest import SHARED
+    from pretune.realmodels import minilm_dir
+
+    try:
+        model = minilm_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    train = tmp_path / "train.jsonl"
+    rows = [json.loads(x) for x in open(f"{SHARED}/tasks/sms_spam/train.jsonl", encoding="utf-8")][:200]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["finetune", "--model", str(model), "--task", "classification", "--train", str(train),
+                 "--epochs", "1", "--batch-size", "16", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    cfg = yaml.safe_load(out)
+    n_train = 200 - round(200 * 0.1)  # data.dev_fraction of train held out as dev
+    assert cfg["train"]["steps"] == n_train // 16 and cfg["train"]["warmup_steps"] == int(0.1 * (n_train // 16))
+    assert cfg["train"]["lr"] == 5e-5 and cfg["train"]["eval_every"] == n_train // 16
+    assert f"steps: {n_train // 16}  # derived: tune.epochs=1 x {n_train // 16} steps per epoch" in out
+    assert "lr: 5.0e-05  # derived: the default of full finetuning" in out
+    assert main(["finetune", "--model", str(model), "--task", "classification", "--train", str(train),
+                 "--epochs", "1", "--peft", "bitfit", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["lr"] == 1e-3  # BitFit's default rate
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_every_flag_is_a_config_key():
+    """The flag tables: each flag's help names its key, and the flags given become exactly those keys."""
+    from pretune.cli import build_parser
+    from pretune.cli.flags import FINETUNE_FLAGS, PRETRAIN_FLAGS, config_layer
+
+    parser = build_parser()
+    for command, flags in (("pretrain", PRETRAIN_FLAGS), ("finetune", FINETUNE_FLAGS)):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        text = sub.format_help()
+        for f in flags:
+            assert f.flag in text and f"({f.key})" in " ".join(text.split())
+    args = parser.parse_args(["finetune", "--lr", "0.01", "--peft", "lora", "--freeze-body", "--train", "t.jsonl"])
+    assert config_layer(args, FINETUNE_FLAGS) == {"train": {"lr": 0.01}, "peft": {"method": "lora"},
+                                                 "tune": {"freeze_body": True}, "data": {"train": "t.jsonl"}}
+    args = parser.parse_args(["pretrain", "--data", "a.txt", "b.txt", "--steps", "5"])
+    assert config_layer(args, PRETRAIN_FLAGS) == {"data": {"train": ["a.txt", "b.txt"]}, "train": {"steps": 5}}
+    assert main(["finetune", "--model", "x", "--preset", "tiny-bert-base", "--print-config"]) == 2  # one or other

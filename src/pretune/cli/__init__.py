@@ -9,12 +9,14 @@ import re
 import sys
 from pathlib import Path
 
+from .flags import FINETUNE_FLAGS, PRETRAIN_FLAGS, add_flags, config_layer
+
 EPILOG = """examples:
   pretune tokenizer train CORPUS/*.txt.gz --kind wordpiece --vocab-size 8000 --out tok/tokenizer.json
   pretune data clean raw/*.jsonl.gz --out clean.jsonl.gz      C4-style cleaning with a per-rule report
   pretune data tokenize CORPUS/*.txt.gz --tokenizer tok/tokenizer.json --out store/
   pretune pretrain --preset tiny-bert-base --objective mlm --tokenizer tok/tokenizer.json --data CORPUS/*.txt.gz
-  pretune pretrain --config configs/pretrain/mlm-bert.yaml train.lr=1e-3 --resume
+  pretune pretrain --config configs/pretrain/bert-mlm.yaml train.lr=1e-3 --resume
   pretune show bert-base                 architecture and parameter counts of a preset
   pretune show path/to/checkpoint        ... or of a saved checkpoint / Hugging Face folder
   pretune convert --from-hf HF_DIR --out CKPT_DIR
@@ -227,19 +229,7 @@ def cmd_data_tokenize(args) -> int:
 def cmd_pretrain(args) -> int:
     from ..pretrain import load_run_config, pretrain
 
-    base: dict = {}
-    if args.preset:
-        base["model"] = {"preset": args.preset}
-    if args.objective:
-        base.setdefault("objective", {})["name"] = args.objective
-    if args.tokenizer:
-        base["tokenizer"] = args.tokenizer
-    if args.data:
-        base.setdefault("data", {})["train"] = list(args.data)
-    for key, value in (("out", args.out), ("steps", args.steps)):
-        if value is not None:
-            base.setdefault("train", {})[key] = value
-    cfg = load_run_config(args.config, args.overrides, base=base)
+    cfg = load_run_config(args.config, args.overrides, base=config_layer(args, PRETRAIN_FLAGS))
     if args.print_config:
         from omegaconf import OmegaConf
 
@@ -256,39 +246,43 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_finetune(args) -> int:
+    from ..config import ConfigError
     from ..finetune import finetune, load_finetune_config
 
-    base: dict = {}
-    if args.model:
-        base["model"] = {"init": args.model}
-    if args.preset:
-        base["model"] = {"preset": args.preset}
-    if args.task:
-        base.setdefault("task", {})["name"] = args.task
-    if args.tokenizer:
-        base["tokenizer"] = args.tokenizer
-    for key, value in (("train", args.train), ("dev", args.dev), ("test", args.test)):
-        if value:
-            base.setdefault("data", {})[key] = value
-    if args.peft:
-        base.setdefault("peft", {})["method"] = args.peft
-    for key, value in (("epochs", args.epochs), ("from_scratch", args.from_scratch or None),
-                       ("freeze_body", args.freeze_body or None), ("patience", args.patience),
-                       ("head_lr", args.head_lr)):
-        if value is not None:
-            base.setdefault("tune", {})[key] = value
-    for key, value in (("out", args.out), ("lr", args.lr), ("batch_size", args.batch_size)):
-        if value is not None:
-            base.setdefault("train", {})[key] = value
+    base = config_layer(args, FINETUNE_FLAGS)
+    if {"init", "preset"} <= set(base.get("model", {})):
+        raise ConfigError("give --model (start from a checkpoint) or --preset (train from scratch), not both")
     cfg = load_finetune_config(args.config, args.overrides, base=base)
     if args.print_config:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        print(resolved_finetune_config(cfg))
         return 0
     result = finetune(cfg, show_progress=not args.quiet)
     print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
     return 0
+
+
+def resolved_finetune_config(cfg) -> str:
+    """The config a finetuning run would use, as YAML: the data is read and the model built (nothing is
+    trained or written), so the values derived from them appear, each marked with how it was derived."""
+    from omegaconf import OmegaConf
+
+    from ..finetune import prepare
+
+    if not cfg.data.train or not (cfg.model.get("init") or cfg.model.get("preset")):
+        note = ("# train.steps, warmup_steps, eval_every and lr are derived from the data and the model when the run "
+                "starts:\n# give data.train and model.init (or model.preset) to see the values it will use\n")
+        return note + OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
+    job = prepare(cfg, show_progress=False, log=lambda *a: None)
+    lines = OmegaConf.to_yaml(OmegaConf.create(job.cfg.to_dict())).splitlines()
+    section = ""
+    for i, line in enumerate(lines):
+        if line and not line.startswith(" "):
+            section = line.rstrip(":")
+        elif line.startswith("  ") and not line.startswith("   "):
+            key = f"{section}.{line.strip().split(':', 1)[0]}"
+            if key in job.derived:
+                lines[i] = f"{line}  # derived: {job.derived[key]}"
+    return "\n".join(lines)
 
 
 def _task_overrides(args) -> dict:
@@ -507,12 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-3")
     s.add_argument("--config", metavar="YAML", help="run config file")
-    s.add_argument("--preset", help="model preset (model.preset)")
-    s.add_argument("--objective", help="objective name (objective.name)")
-    s.add_argument("--tokenizer", help="tokenizer.json or folder (tokenizer)")
-    s.add_argument("--data", nargs="+", metavar="SOURCE", help="training text (data.train)")
-    s.add_argument("--out", help="run folder (train.out)")
-    s.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    add_flags(s, PRETRAIN_FLAGS)
     s.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
     s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -528,26 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=FINETUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
     s.add_argument("--config", metavar="YAML", help="finetuning config file")
-    s.add_argument("--model", help="checkpoint or Hugging Face folder to start from (model.init)")
-    s.add_argument("--preset", help="train a preset from scratch instead (model.preset; needs --tokenizer)")
-    s.add_argument("--task", help="classification, pair, regression, tagging, qa or seq2seq (task.name)")
-    s.add_argument("--tokenizer", help="tokenizer.json or folder (default: the model's)")
-    s.add_argument("--train", help="training records (data.train)")
-    s.add_argument("--dev", help="dev records (data.dev; default: 10%% of train held out)")
-    s.add_argument("--test", help="test records, scored at the end (data.test)")
-    s.add_argument("--epochs", type=float, help="passes over the training data (tune.epochs, default 3)")
-    s.add_argument("--from-scratch", action="store_true", help="same architecture, random weights (tune.from_scratch)")
-    s.add_argument("--freeze-body", action="store_true", help="train only the task head (tune.freeze_body)")
-    s.add_argument("--peft", metavar="METHOD", help="parameter-efficient: lora, adapter, prefix, prompt, ia3, "
-                   "embeddings or a '+' combination (peft.method; sizes: peft.r=8 peft.alpha=16 peft.n_virtual=20 "
-                   "...); the run saves a small adapter folder")
-    s.add_argument("--patience", type=int, help="early stopping after N evaluations without dev improvement")
-    s.add_argument("--lr", type=float, help="peak learning rate (train.lr, default 5e-5)")
-    s.add_argument("--head-lr", type=float, help="peak learning rate of the task head (tune.head_lr; default: --lr); "
-                   "with --peft a higher head rate keeps a small adapter from settling on the majority class")
-    s.add_argument("--batch-size", type=int, help="examples per step (train.batch_size, default 32)")
-    s.add_argument("--out", help="run folder (train.out, default runs/finetune)")
-    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_flags(s, FINETUNE_FLAGS)
+    s.add_argument("--print-config", action="store_true", help="print the config the run would use and exit: "
+                   "values derived from the data (steps from epochs, warmup, evaluation interval, learning rate) "
+                   "filled in and marked")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_finetune)
 

@@ -1,0 +1,87 @@
+"""Command-line flags that are config keys, one table per command: ``--lr 1e-3`` is ``train.lr=1e-3``.
+
+Each flag is declared once with the key it sets; the parser gets it with its help (the key named in it), and
+the flags given become one config layer (above the YAML file, below ``section.key=value`` overrides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag and the config key it sets."""
+
+    flag: str  # "--lr"
+    key: str  # "train.lr" (a dotted path into the run config)
+    help: str
+    type: Any = None  # argparse type (None: str)
+    nargs: str | None = None
+    metavar: str | None = None
+    switch: bool = False  # a flag without a value that sets the key to true
+
+    @property
+    def dest(self) -> str:
+        return "flag_" + self.key.replace(".", "__")
+
+
+PRETRAIN_FLAGS = (
+    Flag("--preset", "model.preset", "model preset"),
+    Flag("--objective", "objective.name", "objective name"),
+    Flag("--tokenizer", "tokenizer", "tokenizer.json or a folder holding one"),
+    Flag("--data", "data.train", "training text (files, folders, globs)", nargs="+", metavar="SOURCE"),
+    Flag("--out", "train.out", "run folder"),
+    Flag("--steps", "train.steps", "optimizer steps", type=int),
+)
+
+FINETUNE_FLAGS = (
+    Flag("--model", "model.init", "checkpoint, Hugging Face or adapter folder to start from"),
+    Flag("--preset", "model.preset", "train a preset from scratch instead (needs --tokenizer)"),
+    Flag("--task", "task.name", "classification, pair, regression, tagging, qa, seq2seq, choice or multilabel"),
+    Flag("--tokenizer", "tokenizer", "tokenizer.json or folder (default: the model's)"),
+    Flag("--train", "data.train", "training records"),
+    Flag("--dev", "data.dev", "dev records (default: 10%% of train held out)"),
+    Flag("--test", "data.test", "test records, scored at the end"),
+    Flag("--epochs", "tune.epochs", "passes over the training data (default 3; sets train.steps)", type=float),
+    Flag("--from-scratch", "tune.from_scratch", "same architecture, random weights", switch=True),
+    Flag("--freeze-body", "tune.freeze_body", "train only the task head", switch=True),
+    Flag("--peft", "peft.method", "parameter-efficient: lora, adapter, prefix, prompt, ia3, embeddings, bitfit or a "
+         "'+' combination (sizes: peft.r=8 peft.alpha=16 peft.n_virtual=20 ...); the run saves a small adapter folder",
+         metavar="METHOD"),
+    Flag("--patience", "tune.patience", "early stopping after N evaluations without dev improvement", type=int),
+    Flag("--lr", "train.lr", "peak learning rate (default: 5e-5 for full finetuning, each PEFT method its own; "
+         "--print-config shows it)", type=float),
+    Flag("--head-lr", "tune.head_lr", "peak learning rate of the task head (default: --lr); with --peft a higher head "
+         "rate keeps a small adapter from settling on the majority class", type=float),
+    Flag("--batch-size", "train.batch_size", "examples per step (default 32)", type=int),
+    Flag("--out", "train.out", "run folder (default runs/finetune)"),
+)
+
+
+def add_flags(parser, flags: tuple[Flag, ...]) -> None:
+    """Add every flag of the table to ``parser``, its help naming the config key it sets."""
+    for f in flags:
+        kwargs: dict[str, Any] = {"dest": f.dest, "help": f"{f.help} ({f.key})"}
+        if f.switch:
+            kwargs["action"] = "store_true"
+        else:
+            metavar = f.metavar or f.flag.lstrip("-").upper().replace("-", "_")
+            kwargs.update({k: v for k, v in (("type", f.type), ("nargs", f.nargs), ("metavar", metavar)) if v})
+        parser.add_argument(f.flag, **kwargs)
+
+
+def config_layer(args, flags: tuple[Flag, ...]) -> dict:
+    """The flags given on the command line as a nested config dict (``{"train": {"lr": 0.001}}``)."""
+    out: dict = {}
+    for f in flags:
+        value = getattr(args, f.dest, None)
+        if value is None or (f.switch and not value):
+            continue
+        *path, leaf = f.key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    return out
