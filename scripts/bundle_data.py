@@ -1,6 +1,6 @@
 """Regenerate ``src/pretune/bundled/`` from the shared real data (maintainers only; not installed).
 
-    python scripts/bundle_data.py [--shared ../shared/data]
+    python scripts/bundle_data.py [--shared ../shared/data] [--wordnet /usr/share/wordnet]
 
 Copies compact, deterministic subsets of the real corpus and task files, and derives the samples
 for the tasks that have no real data here (tagging, QA, regression, seq2seq) from that same real
@@ -215,10 +215,39 @@ def derive_regression(sentences: list[str]) -> None:
         write_jsonl(OUT / "tasks" / "austen_edit_similarity" / f"{split}.jsonl", recs)
 
 
+def bundle_wordnet_pos(wordnet: Path) -> None:
+    """Multi-label: every part of speech a word form has in WordNet 3.0 (its index.{noun,verb,adj,adv} files, as
+    Debian's wordnet-base installs them in /usr/share/wordnet), for the single-word, lower-case lemmas of at least
+    three letters that SemCor tags at least once (a common English word); shuffled with seed 0, split 80/10/10."""
+    import collections
+
+    labels: dict[str, set[str]] = collections.defaultdict(set)
+    tagged: collections.Counter = collections.Counter()
+    for pos in ("noun", "verb", "adj", "adv"):
+        for line in (wordnet / f"index.{pos}").read_text(encoding="latin-1").splitlines():
+            if line.startswith(" "):  # the licence header
+                continue
+            f = line.split()
+            lemma, n_pointers = f[0], int(f[3])
+            tagsense_cnt = int(f[4 + n_pointers + 1])  # after the pointer symbols: sense_cnt, tagsense_cnt
+            if re.fullmatch(r"[a-z]{3,}", lemma):
+                labels[lemma].add(pos)
+                tagged[lemma] += tagsense_cnt
+    order = ("noun", "verb", "adj", "adv")
+    records = [{"text": w, "label": [p for p in order if p in labels[w]]} for w in sorted(labels) if tagged[w] > 0]
+    random.Random(0).shuffle(records)
+    n = len(records)
+    n_dev = n_test = n // 10
+    for split, recs in split3(records, n - n_dev - n_test, n_dev, n_test).items():
+        write_jsonl(OUT / "tasks" / "wordnet_pos" / f"{split}.jsonl", recs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shared", default=str(ROOT.parent / "shared" / "data"), help="the shared data folder")
-    shared = Path(p.parse_args().shared)
+    p.add_argument("--wordnet", default="/usr/share/wordnet", help="WordNet 3.0's dict folder (Debian wordnet-base)")
+    args = p.parse_args()
+    shared = Path(args.shared)
     bundle_corpus(shared)
     bundle_real_tasks(shared)
     sentences = austen_sentences(shared)
@@ -226,6 +255,7 @@ def main() -> None:
     derive_regression(sentences)
     derive_qa(shared)
     derive_reverse_dictionary(shared)
+    bundle_wordnet_pos(Path(args.wordnet))
     for f in sorted(OUT.rglob("*")):
         if f.is_file() and f.suffix in (".gz", ".jsonl"):
             print(f"{f.relative_to(OUT)}  {f.stat().st_size / 1e3:.0f} kB")

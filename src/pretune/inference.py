@@ -130,8 +130,8 @@ def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, to
     model, tok = loaded.model, loaded.tokenizer
     tcfg = load_task_config(model_dir, task_overrides)
     if not (Path(model_dir) / TASK_FILE).is_file() and not (task_overrides or {}).get("name"):
-        guess = {"classification": "classification", "regression": "regression", "tagging": "tagging",
-                 "qa": "qa"}.get(model.config.head)
+        guess = {"classification": "multilabel" if model.config.multi_label else "classification",
+                 "regression": "regression", "tagging": "tagging", "qa": "qa"}.get(model.config.head)
         if guess is None:
             raise ConfigError(f"{model_dir} has no {TASK_FILE} and no task head: pass --task NAME")
         tcfg = dataclasses.replace(tcfg, name=guess)

@@ -44,6 +44,8 @@ FINETUNE_EPILOG = """tasks and their data fields (rename with task.<x>_field=NAM
   tagging         tokens, tags          one tag per word (BIO for NER), scored with seqeval
   qa              context, question, answers   extractive spans, sliding window (task.stride), SQuAD 2.0
   seq2seq         source, target        text-to-text with task.prefix; greedy generation
+  choice          text, label           classification by the LM's likelihood of each label's answer text
+  multilabel      text, label (a list)  a set of labels per text: a sigmoid each, micro/macro F1, subset accuracy
 examples:
   pretune finetune --model MINILM_DIR --task classification --train train.jsonl --dev dev.jsonl --test test.jsonl
   pretune finetune --model runs/mlm/model --from-scratch --task classification --train ... --epochs 2

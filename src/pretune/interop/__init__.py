@@ -136,11 +136,10 @@ def task_fields(hf: dict, arch: str) -> dict:
             raise InteropError(f"id2label has repeated label names: {names!r}")
         labels = names
     problem = hf.get("problem_type")
+    multi = False
     if kind == "sequence":
-        if problem == "multi_label_classification":
-            raise InteropError("problem_type='multi_label_classification' is not supported "
-                               "(pretune's classification head is single-label)")
-        head = "regression" if problem == "regression" or num_labels == 1 else "classification"
+        multi = problem == "multi_label_classification"  # one sigmoid per label (tasks/multilabel.py)
+        head = "regression" if not multi and (problem == "regression" or num_labels == 1) else "classification"
         if head == "regression" and num_labels != 1:
             raise InteropError(f"problem_type='regression' with {num_labels} outputs is not supported "
                                "(pretune's regression head has one)")
@@ -151,7 +150,7 @@ def task_fields(hf: dict, arch: str) -> dict:
     else:
         head = "tagging"
     return {"head": head, "num_labels": num_labels, "labels": labels,
-            "classifier_dropout": hf.get("classifier_dropout")}
+            "classifier_dropout": hf.get("classifier_dropout"), "multi_label": multi}
 
 
 def task_mismatch(cfg: ModelConfig, archs: dict[str, str | None], pooling: str | None) -> str | None:
@@ -166,7 +165,7 @@ def task_mismatch(cfg: ModelConfig, archs: dict[str, str | None], pooling: str |
                    "cls": "dense + tanh on the first token (pooling='cls')",
                    "last": "the last real token (pooling='last')"}[pooling]
             return f"{arch} classifies {how}, got pooling={cfg.sentence_pooling!r}"
-        if cfg.head == "classification" and cfg.num_labels < 2:
+        if cfg.head == "classification" and cfg.num_labels < 2 and not cfg.multi_label:
             return f"{arch} reads num_labels=1 as regression; use head='regression'"
     return None
 
@@ -177,7 +176,8 @@ def task_config_to_hf(cfg: ModelConfig, arch: str) -> dict:
     out = {"architectures": [arch], "num_labels": cfg.num_labels,
            "id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
     if cfg.head in ("classification", "regression"):
-        out["problem_type"] = "regression" if cfg.head == "regression" else "single_label_classification"
+        out["problem_type"] = ("regression" if cfg.head == "regression" else
+                               "multi_label_classification" if cfg.multi_label else "single_label_classification")
     if cfg.classifier_dropout is not None:
         out["classifier_dropout"] = cfg.classifier_dropout
     return out

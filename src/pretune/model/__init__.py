@@ -132,7 +132,8 @@ class TransformerLM(nn.Module):
         from a pretrained body (e.g. MiniLM ships without its MLM head)."""
         cfg = self.config
         head = fields["head"]
-        same = cfg.head == head and (head not in TASK_HEADS or cfg.num_labels == fields.get("num_labels"))
+        same_labels = cfg.num_labels == fields.get("num_labels") and cfg.multi_label == fields.get("multi_label", False)
+        same = cfg.head == head and (head not in TASK_HEADS or same_labels)
         if same and (fields.get("pooling") is None or cfg.sentence_pooling == fields.get("pooling")):
             return self
         new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None, "pooling": None, **fields}))

@@ -7,6 +7,7 @@
     qa              extractive QA: start/end logits, sliding window over long contexts, SQuAD 2.0 no-answer
     seq2seq         text-to-text with a task prefix, for encoder-decoders and decoders; greedy generation
     choice          classification by the LM's likelihood of each label's answer text (T-Few losses)
+    multilabel      one text → a set of labels (a sigmoid each, binary cross-entropy)
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 from .base import Layout, Record, Task, TaskConfig, read_records
 from .choice import Choice
 from .classify import Classification, Pair, Regression
+from .multilabel import Multilabel
 from .qa import QA
 from .seq2seq import Seq2Seq
 from .tagging import Tagging
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq,
-                                                          Choice)}
+                                                          Choice, Multilabel)}
 TASK_METRICS: dict[str, list[str]] = {name: list(cls.metrics) for name, cls in TASKS.items()}  # what each reports
 DEFAULT_METRIC: dict[str, str] = {name: cls.default_metric for name, cls in TASKS.items()}  # model selection
 

@@ -48,6 +48,7 @@ class TaskConfig:
     stride: int = 32  # qa: context tokens shared by consecutive windows of a long context
     max_answer_len: int = 30  # qa: longest answer span in tokens
     null_threshold: float = 0.0  # qa: answer "" when best span score < null score + threshold (SQuAD 2.0)
+    threshold: float = 0.5  # multilabel: a label is predicted when its probability exceeds this
     prefix: str = ""  # seq2seq: task prefix put before the source ("sst2 sentence: ")
     max_target_len: int = 32  # seq2seq: target tokens (training truncation and generation length)
     metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
