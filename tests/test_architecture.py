@@ -156,7 +156,11 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
     assert "pretune.model" in _imports("pretune.x", tmp_path / "x.py")
 
 
-@pytest.mark.parametrize("registry,module", [("OBJECTIVES", "pretune.objectives"), ("TASKS", "pretune.tasks")])
+@pytest.mark.parametrize("registry,module", [
+    ("OBJECTIVES", "pretune.objectives"), ("TASKS", "pretune.tasks"), ("METHODS", "pretune.peft.methods"),
+    ("POSITIONS", "pretune.model.position"), ("FFNS", "pretune.model.layers"), ("NORMS", "pretune.model.layers"),
+    ("ACTIVATIONS", "pretune.model.layers"), ("HEADS", "pretune.model.heads"), ("LAYOUTS", "pretune.model.layout"),
+    ("PRESETS", "pretune.presets")])
 def test_the_documented_registries_exist(registry, module):
     import importlib
 
