@@ -49,7 +49,6 @@ class Layout:
     pair_style: ClassVar[str] = "gpt"  # default sentence-pair input format: bert, gpt or t5 (tasks/base.py)
     poolings: ClassVar[tuple[str, ...]] = ("mean", "last")  # sentence-embedding poolings that apply (first: default)
     target_lead: ClassVar[str] = ""  # text put before a target word (" ": it continues the source as running text)
-    peft_task_type: ClassVar[str] = "CAUSAL_LM"  # the `peft` library's task_type of an LM-head model
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -126,7 +125,6 @@ class EncoderLayout(Layout):
     writes_text = False
     pair_style = "bert"
     poolings = ("mean", "cls")
-    peft_task_type = ""
 
     def example(self, source, target, *, eos, start, continuation=False):
         raise self._needs("text-to-text")
@@ -155,7 +153,6 @@ class EncoderDecoderLayout(Layout):
     encoder_decoder = True
     pair_style = "t5"
     poolings = ("mean", "cls")  # the encoder's states (T5 has no [CLS]: "cls" is its first token)
-    peft_task_type = "SEQ_2_SEQ_LM"
 
     def source_room(self, max_len, target_len):
         return max_len - 1  # the target has its own stack

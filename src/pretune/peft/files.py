@@ -275,7 +275,7 @@ def _task_type(cfg) -> str | None:
     if cfg.head in _TASK_TYPES:
         return _TASK_TYPES[cfg.head]
     if cfg.head == "lm":
-        return layout_of(cfg).peft_task_type
+        return "SEQ_2_SEQ_LM" if layout_of(cfg).encoder_decoder else "CAUSAL_LM"
     return None
 
 
