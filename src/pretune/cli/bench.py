@@ -1,0 +1,79 @@
+"""``pretune bench ...``: pretune side by side with the reference implementations (the measurements are in
+:mod:`pretune.bench`; BENCHMARKS.md says how each figure is taken)."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def cmd_bench(args) -> int:
+    from ..bench.model import bench_model, format_rows
+
+    rows = bench_model(families=args.models, dtypes=args.dtypes, rounds=args.rounds, steps=args.steps,
+                       warmup=args.warmup, batch=args.batch, seq=args.seq, threads=args.threads,
+                       dropout=args.dropout)
+    from ..bench.common import report
+
+    return report(rows, format_rows(rows), args.json)
+
+
+def cmd_bench_pretrain(args) -> int:
+    from ..bench.pretrain import run_cli
+
+    return run_cli(args)
+
+
+def add_bench_parser(sub) -> None:
+    """Register ``bench`` and its subcommands on the ``pretune`` subparsers."""
+    s = sub.add_parser("bench", help="benchmarks against the reference implementations")
+    from ..bench.common import add_run_arguments
+
+    bsub = s.add_subparsers(dest="what", metavar="WHAT", required=True)
+    b = bsub.add_parser("model", help="forward+backward tokens/s and MFU: pretune vs transformers",
+                        description="Times a training step (forward + backward) of a GPT-2-style and a "
+                        "BERT-style model (6 layers, dim 512, 8 heads, vocab 8192) against transformers' "
+                        "GPT2LMHeadModel / BertForMaskedLM. Every measurement runs in its own process, "
+                        "implementations alternate, medians over --rounds are reported.")
+    b.add_argument("--models", nargs="+", default=["gpt", "bert"], choices=["gpt", "bert"])
+    b.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
+                   help="bf16 = fp32 weights under torch.autocast(bfloat16)")
+    add_run_arguments(b, threads="torch's default")
+    b.add_argument("--steps", type=int, default=8, help="timed steps per run (median taken)")
+    b.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    b.add_argument("--batch", type=int, default=8)
+    b.add_argument("--seq", type=int, default=256)
+    b.add_argument("--dropout", type=float, default=0.1, help="dropout in both models (default 0.1, as GPT-2/BERT)")
+    b.set_defaults(func=cmd_bench)
+    b = bsub.add_parser("pretrain", help="MLM pretraining tokens/s vs transformers + tokenize-to-store MB/s",
+                        description="Times MLM pretraining steps of a BERT-style model (6 layers, dim 512, vocab "
+                        "30522: the real MiniLM tokenizer) with pretune's trainer against transformers' "
+                        "BertForMaskedLM + DataCollatorForLanguageModeling on the same blocks of the bundled "
+                        "corpus, each run in its own process, alternating; also times tokenizing the corpus "
+                        "into a token store.")
+    from ..bench.pretrain import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench_pretrain)
+    for name, help_, description in (  # each bench.NAME module brings its flags and its run_cli
+        ("finetune", "finetuning MiniLM on sms_spam: wall time and test accuracy vs transformers",
+         "Finetunes MiniLM (all-MiniLM-L6-v2) on sms_spam for one epoch with pretune "
+         "finetune and with transformers' Trainer (same hyperparameters, each run in its own process, "
+         "alternating) and reports the wall time of training + one dev evaluation, the test "
+         "accuracy of each, their ratio and whether pretune is >= 1.3x faster at equal accuracy "
+         "(+- 0.5 points)."),
+        ("generate", "greedy decoding tokens/s (batch 1 and 8) vs transformers' generate",
+         "Times greedy generation of 128 new tokens after a 32-token prompt with "
+         "SmolLM2-135M (fp32, CPU) by pretune's generate (eager, and with compile=True) and "
+         "transformers' generate (EOS ignored on every side), each run in its own process, "
+         "alternating, and reports tokens/s, the ratios, the compiled side's first-call (compile) "
+         "time and whether pretune is >= 1.5x faster at batch 1."),
+        ("peft", "LoRA step time and peak memory vs full finetuning and vs peft + transformers",
+         "GPT-2 shape (6 layers, dim 512, batch 8 x 256): pretune full finetuning, "
+         "pretune LoRA r=8 (q, k, v), transformers full finetuning and peft LoRA r=8 (c_attn), each "
+         "run in its own process, alternating; reports the median step time (forward, backward, "
+         "AdamW), peak RSS, and whether pretune's LoRA step is >= 1.15x faster than peft's."),
+    ):
+        module = importlib.import_module(f"pretune.bench.{name}")
+        b = bsub.add_parser(name, help=help_, description=description)
+        module.add_arguments(b)
+        b.set_defaults(func=module.run_cli)
