@@ -1,5 +1,6 @@
 # make test  : create .venv if needed, install (torch first, CPU wheel), run the default test suite
 # make demo  : same install, then `pretune quickstart`: tokenizer -> pretraining -> finetuning on bundled data
+#              (into runs/quickstart; a rerun replaces what the earlier demo wrote there, nothing else)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -28,7 +29,7 @@ test-slow: install
 # OMP_WAIT_POLICY=PASSIVE: idle torch threads sleep instead of spinning; on a busy 2-core machine spinning
 # threads steal the cores the working ones need (measured: a training step 5-8x slower with 2 threads)
 demo: install
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pretune quickstart --out runs/quickstart
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pretune quickstart --out runs/quickstart --overwrite
 
 bench: install
 	$(VENV)/bin/pretune bench model

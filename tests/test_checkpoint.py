@@ -51,7 +51,8 @@ def test_round_trip_is_exact(tmp_path, case):
     name, overrides = CASES[case]
     model = _model(name, **overrides)
     pretune.save(model, tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".pretune.json", "config.json",
+                                                                       "model.safetensors"]
     loaded = pretune.load(tmp_path / "ckpt")
     assert not loaded.training
     assert loaded.config == model.config

@@ -25,7 +25,7 @@ def _error(capsys, rc: int) -> str:
     """stderr of a command that must fail cleanly: exit code 2, one message, no traceback."""
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert "error:" in err and "Traceback" not in err
+    assert err.startswith("pretune ") and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     return err
 
 

@@ -12,6 +12,7 @@ import torch
 from pretune.cli.embed import add_embed_parser
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
+from pretune.outputs import OutputError
 from pretune.embed import (
     cosine_matrix,
     embed_texts,
@@ -180,7 +181,9 @@ def test_cli_similarity_ranks_paraphrase_first(minilm_path, tmp_path, capsys):
 
     plain = tmp_path / "list.txt"
     plain.write_text(f"{UNRELATED}\n{GUITAR}\n{PARAPHRASE}\n", encoding="utf-8")
-    assert _run([str(minilm_path), str(plain), "--similarity", "--out", str(out), "--top", "2"]) == 0
+    with pytest.raises(OutputError, match="already exists; pass --overwrite"):
+        _run([str(minilm_path), str(plain), "--similarity", "--out", str(out), "--top", "2"])
+    assert _run([str(minilm_path), str(plain), "--similarity", "--out", str(out), "--top", "2", "--overwrite"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and (rows[0]["i"], rows[0]["j"]) == (1, 2)
 

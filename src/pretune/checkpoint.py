@@ -64,8 +64,11 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], *, source: st
 
 
 def atomic_folder(path: str | os.PathLike):
-    """Context manager: yields a temporary folder beside ``path`` that replaces ``path`` on success
-    and is removed on failure, so a crash never leaves a half-written checkpoint."""
+    """Context manager: yields a temporary folder beside ``path`` that becomes ``path`` on success and is removed
+    on failure, so a crash never leaves a half-written folder. The folder gets a marker (``.pretune.json``, see
+    ``pretune.outputs``) listing what pretune wrote. An existing ``path`` that holds only pretune's earlier output is
+    replaced whole (atomically); one that also holds entries pretune did not write keeps them: only pretune's own
+    entries are replaced or removed, one by one (commands refuse such a folder unless the user says --overwrite)."""
     return _AtomicFolder(Path(path))
 
 
@@ -74,6 +77,11 @@ class _AtomicFolder:
         self.path = path
 
     def __enter__(self) -> Path:
+        from .outputs import _check_parents
+
+        _check_parents(self.path)
+        if self.path.exists() and not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is a file; cannot write a folder there")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
         umask = os.umask(0)
@@ -82,16 +90,53 @@ class _AtomicFolder:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        from .outputs import MARKER, mark, owned_entries
+
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        old = None
-        if self.path.exists():
-            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
-            os.replace(self.path, old)
-        os.replace(self.tmp, self.path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            entries = sorted(p.name for p in self.tmp.iterdir() if p.name != MARKER)
+            mark(self.tmp, entries)
+            existing = set(os.listdir(self.path)) if self.path.is_dir() else set()
+            foreign = existing - owned_entries(self.path) - {MARKER}
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        if not foreign:  # nothing but pretune's own earlier output (or nothing): replace the folder whole
+            old = None
+            if self.path.exists():
+                old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+                os.replace(self.path, old)
+            os.replace(self.tmp, self.path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            return
+        clash = sorted(set(entries) & foreign)
+        if clash:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointError(f"{self.path} holds {', '.join(clash)}, which pretune did not write and would have "
+                                  "to replace; move it away or choose another folder")
+        for name in sorted(owned_entries(self.path) - set(entries) - {MARKER}):  # stale entries of the earlier output
+            _remove(self.path / name)
+        for name in entries:  # pretune's entries, each replaced atomically; the user's stay
+            target = self.path / name
+            if target.exists():
+                aside = self.path / f".{name}.old-{os.getpid()}"
+                os.replace(target, aside)
+                os.replace(self.tmp / name, target)
+                _remove(aside)
+            else:
+                os.replace(self.tmp / name, target)
+        mark(self.path, entries, merge=False)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None) -> Path:

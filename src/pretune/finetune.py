@@ -43,6 +43,7 @@ from .loading import TASK_FILE
 from .peft.config import PeftConfig
 from .runconfig import TrainConfig, check_batch, check_train, merge_layers, section
 from .tasks.base import Record, TaskConfig
+from .train.precision import describe_device, resolve_precision
 
 __all__ = ["FinetuneConfig", "FinetuneData", "TuneConfig", "FinetuneResult", "Prepared", "load_finetune_config",
            "prepare", "finetune", "export", "method_for", "evaluate", "predict", "load_finetuned", "encode_records",
@@ -359,7 +360,10 @@ def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict) -> 
     if not lr:
         lr = method.default_lr
         derived["train.lr"] = f"the default of {method.name}"
-    tr = dataclasses.replace(tr, steps=steps, eval_every=eval_every, warmup_steps=warmup, lr=lr)
+    precision = resolve_precision(tr.precision, "cpu")
+    if tr.precision == "auto":
+        derived["train.precision"] = f"auto on {describe_device('cpu')}"
+    tr = dataclasses.replace(tr, steps=steps, eval_every=eval_every, warmup_steps=warmup, lr=lr, precision=precision)
     check_train(tr)
     return dataclasses.replace(cfg, train=tr)
 
@@ -417,19 +421,28 @@ def _trainer(job: Prepared, *, show_progress: bool, log):
                    callbacks=callbacks, param_lr=param_lr)
 
 
-def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> FinetuneResult:
-    """Train ``cfg.model`` on ``cfg.data`` for ``cfg.task``; keep the best dev model; score dev and test."""
+def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = False, show_progress: bool = True,
+             log=print) -> FinetuneResult:
+    """Train ``cfg.model`` on ``cfg.data`` for ``cfg.task``; keep the best dev model; score dev and test.
+
+    ``train.out`` must be a new (or empty) folder; ``overwrite=True`` starts over in an earlier run's folder
+    (removing what that run wrote, nothing else); ``resume=True`` continues the run there from its newest intact
+    checkpoint, bit for bit as if it had not stopped (its config may differ only as ``runconfig.check_resume``
+    allows)."""
     from .model import count_parameters
+    from .outputs import check_folder, prepare_run_folder
+    from .train.precision import precision_line
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.set_flush_denormal(True)
+    check_folder(cfg.train.out, overwrite=overwrite, resume=resume, what="run")  # before any work
+    requested = cfg.train.precision
+    resolve_precision(requested, "cpu", warn=log)
     job = prepare(cfg, show_progress=show_progress, log=log)
     cfg, model, task, tr = job.cfg, job.model, job.task, job.cfg.train
-    run_dir = Path(tr.out)
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        raise ConfigError(f"{run_dir} already holds a run: choose another train.out (or delete it)")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
+                                 derived=tuple(job.derived))
     cfg.save(run_dir / "run.yaml")
     counts = count_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -440,11 +453,17 @@ def finetune(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> F
         f"{n['train']} train / {n['dev']} dev{test} records"
         f"{f', {len(task.labels)} labels' if task.labels else ''}; {tr.steps} steps of {tr.batch_size} "
         f"({cfg.tune.epochs:g} epochs) at lr {tr.lr:g}, dev {job.metric} every {tr.eval_every} steps -> {run_dir}")
+    log(precision_line(requested, tr.precision))
     trainer = _trainer(job, show_progress=show_progress, log=log)
     t0 = time.perf_counter()
-    result = trainer.fit(log=log)
+    result = trainer.fit(resume=resume, log=log)
     seconds = time.perf_counter() - t0
     return export(job, trainer, result.step, seconds, show_progress=show_progress, log=log)
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress: bool = True,
@@ -468,8 +487,9 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
         dev_final = dict(next(h for s, h in history if s == best.best_step)) if best.best_step is not None else {}
     test_metrics = {}
     if job.records["test"]:
+        # in fp32 whatever the training precision: the scores `pretune evaluate MODEL TEST` reproduces
         test_metrics, preds = evaluate_task(task, model, job.records["test"], batch_size=tr.batch_size * 2,
-                                            precision=tr.precision, features=job.features["test"],
+                                            precision="fp32", features=job.features["test"],
                                             show_progress=show_progress)
         write_predictions(task, job.records["test"], preds, run_dir / "test_predictions.jsonl")
     results = {"task": task.name, "metric": job.metric, "best_step": best.best_step, "steps": steps,
@@ -480,7 +500,10 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
         from .train.logging import plot_losses
 
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"finetune {task.name}")
+    from .outputs import mark
+
+    mark(run_dir, ["model", "results.json", "test_predictions.jsonl", "loss.png"])
     log(format_scores("dev", dev_final) + ("\n" + format_scores("test", test_metrics) if test_metrics else ""))
-    log(f"model -> {model_dir}  ({steps} steps, {seconds:.1f}s)")
+    log(f"model -> {model_dir}  ({steps} steps, {seconds:.1f}s); the run folder holds {_size(run_dir) / 1e6:.1f} MB")
     return FinetuneResult(run_dir=run_dir, model_dir=model_dir, steps=steps, seconds=seconds, dev=dev_final,
                           test=test_metrics, best_step=best.best_step, history=history)

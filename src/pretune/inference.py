@@ -154,24 +154,43 @@ def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | 
 
 def predict(model_dir: str | Path, data: str | Path, out: str | Path, *, task_overrides: dict | None = None,
             batch_size: int = 64, precision: str = "fp32", show_progress: bool = True, errors: str = "strict",
-            base: str = "") -> int:
-    """Predictions for every record of ``data`` (labels not needed) written to ``out`` as JSONL."""
+            base: str = "", scores: bool = False) -> int:
+    """Predictions for every record of ``data`` (labels not needed; a record that has one gets it beside its
+    prediction as ``gold``) written to ``out`` as JSONL; ``scores``: each record's raw scores too."""
     model, tok, task = load_finetuned(model_dir, task_overrides, base=base)
     records = read_split(str(data), "prediction", errors)
+    if show_progress:
+        print(f"predicting {len(records)} records of {data} with {model_dir} ...", flush=True)
     feats = encode_records(task, records, labelled=False, show_progress=show_progress)
     outs = run_outputs(task, model, feats, batch_size=batch_size, precision=precision, show_progress=show_progress)
     preds = task.predict(records, feats, outs)
-    write_predictions(task, records, preds, Path(out))
+    raw = None
+    if scores:
+        first = {}
+        for f, o in zip(feats, outs):
+            first.setdefault(f["_record"], o)
+        raw = [task.scores_json(first.get(i)) for i in range(len(records))]
+    write_predictions(task, records, preds, Path(out), scores=raw)
     return len(preds)
 
 
-def write_predictions(task, records: list[Record], preds: list, out: Path) -> None:
-    """JSONL, one line per record: its row, the task's fields and the prediction; written atomically."""
+def write_predictions(task, records: list[Record], preds: list, out: Path, scores: list | None = None) -> None:
+    """JSONL, one line per record: its row, the task's fields, the prediction, the gold answer when the record has
+    one (``gold``) and, with ``scores``, the raw scores; written atomically."""
     import os
+
+    from .data.readers import DataError
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for rec, pred in zip(records, preds):
-            f.write(json.dumps({"row": rec.where, **task.prediction_json(rec, pred)}, ensure_ascii=False) + "\n")
+        for i, (rec, pred) in enumerate(zip(records, preds)):
+            line = {"row": rec.where, **task.prediction_json(rec, pred)}
+            try:
+                line["gold"] = task.reference(rec)
+            except (DataError, KeyError, ValueError):
+                pass  # an unlabelled record
+            if scores is not None and scores[i] is not None:
+                line["scores"] = scores[i]
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
     os.replace(tmp, out)

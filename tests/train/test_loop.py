@@ -36,7 +36,8 @@ def _trainer(cfg):
 def test_gradient_accumulation_equals_the_big_batch(tmp_path, small_corpus, tokenizers_by_kind):
     # doc packing -> padded batches and a different number of masked tokens per micro-batch:
     # only normalising by the step's total target count makes 4 x (batch 2) equal batch 8
-    extra = ("model.dropout=0.0", "model.attn_dropout=0.0", "data.packing=doc", "train.steps=2")
+    extra = ("model.dropout=0.0", "model.attn_dropout=0.0", "data.packing=doc", "train.steps=2",
+             "train.precision=fp32")  # an identity of fp32 maths (auto may pick bf16 on this CPU)
     big, m_big = _trainer(_cfg(tmp_path, tokenizers_by_kind["wordpiece"], small_corpus, "big", *extra))
     acc, m_acc = _trainer(_cfg(tmp_path, tokenizers_by_kind["wordpiece"], small_corpus, "acc", *extra,
                                "train.grad_accum=4"))
@@ -126,7 +127,8 @@ def test_ddp_two_processes_match_one(tmp_path, small_corpus, tokenizers_by_kind)
     common = ["--preset", "tiny-gpt2", "--objective", "clm", "--tokenizer", str(tok), "--data", str(small_corpus),
               "--steps", "4", "--quiet", "train.batch_size=8", "train.grad_accum=2", "data.block_size=48",
               "model.dropout=0.0", "model.attn_dropout=0.0", "train.log_every=1", "train.eval_every=0",
-              "train.save_every=2", "train.tensorboard=false", "train.plot=false", "train.threads=1"]
+              "train.save_every=2", "train.tensorboard=false", "train.plot=false", "train.threads=1",
+              "train.precision=fp32"]  # 1e-5 agreement is an fp32 property
     one = subprocess.run([sys.executable, "-m", "pretune", "pretrain", *common, "--out", str(tmp_path / "one")],
                          env=_torchrun_env(), capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]

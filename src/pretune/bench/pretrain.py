@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from .common import add_run_arguments, spawn_worker
 
 if TYPE_CHECKING:
@@ -89,6 +87,8 @@ def _n_examples(job: Job, n_blocks: int) -> int:
 
 def _batch_ids(n: int, *, batch: int, seed: int):
     """The example ids of each step, epoch after epoch: the plan ``Trainer`` follows (no bucketing)."""
+    import numpy as np
+
     from ..data.packing import batch_plan
 
     ids = np.arange(n, dtype=np.int64)
@@ -114,6 +114,8 @@ class _PretuneRun:
     """Our pretraining loop: a Trainer over the first blocks of the store; one call = train_step()."""
 
     def __init__(self, job: Job, run_dir: str, record: list | None):
+        import numpy as np
+
         from ..model import build_model
         from ..objectives import build_objective, objective_settings
         from ..runconfig import TrainConfig

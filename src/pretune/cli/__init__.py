@@ -113,9 +113,13 @@ def cmd_convert(args) -> int:
     from ..checkpoint import save
     from ..interop import TOKENIZER_FILES, to_hf
     from ..loading import folder_kind, load
+    from ..outputs import check_folder
 
     if bool(args.from_hf) == bool(args.to_hf):
-        raise SystemExit("pretune convert: give exactly one of --from-hf DIR or --to-hf DIR")
+        from ..config import ConfigError
+
+        raise ConfigError("give exactly one of --from-hf DIR or --to-hf DIR (got neither or both)")
+    check_folder(args.out, overwrite=args.overwrite)
     if args.from_hf:
         src = Path(args.from_hf)
         kind = folder_kind(src)
@@ -151,7 +155,7 @@ def cmd_pretrain(args) -> int:
 
         print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
         return 0
-    result = pretrain(cfg, resume=args.resume, show_progress=not args.quiet)
+    result = pretrain(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
     if result.train_loss != result.train_loss:  # no step ran: the run had already finished
         print(f"nothing to do: {result.run_dir} already finished at step {result.steps}")
         return 0
@@ -172,7 +176,7 @@ def cmd_finetune(args) -> int:
     if args.print_config:
         print(resolved_finetune_config(cfg))
         return 0
-    result = finetune(cfg, show_progress=not args.quiet)
+    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
     print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
     return 0
 
@@ -217,21 +221,36 @@ def _task_overrides(args) -> dict:
 
 def cmd_evaluate(args) -> int:
     from ..inference import evaluate, format_scores
+    from ..outputs import check_file
 
+    if args.json:
+        check_file(args.json, overwrite=args.overwrite, what="metrics file")
     metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                        precision=args.precision, show_progress=not args.quiet, base=args.base or "")
     print(format_scores(Path(args.data).name, metrics))
     if args.json:
-        Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n")
+        _write_text(Path(args.json), json.dumps(metrics, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
+def _write_text(path: Path, text: str) -> None:
+    """Write through a temp file renamed into place."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def cmd_predict(args) -> int:
     from ..inference import predict
+    from ..outputs import check_file
 
+    check_file(args.out, overwrite=args.overwrite, what="predictions file")
     n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
-                precision=args.precision, show_progress=not args.quiet, base=args.base or "")
+                precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores)
     print(f"wrote {n} predictions to {args.out}")
     return 0
 
@@ -239,7 +258,8 @@ def cmd_predict(args) -> int:
 def cmd_quickstart(args) -> int:
     from ..quickstart import run_quickstart
 
-    run_quickstart(args.out, fast=args.fast, seed=args.seed, minilm=not args.no_minilm, show_progress=not args.quiet)
+    run_quickstart(args.out, fast=args.fast, seed=args.seed, minilm=not args.no_minilm, show_progress=not args.quiet,
+                   overwrite=args.overwrite)
     return 0
 
 
@@ -267,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama). Outputs are written atomically.")
     s.add_argument("--from-hf", metavar="DIR", help="Hugging Face folder to import")
     s.add_argument("--to-hf", metavar="DIR", help="pretune checkpoint folder to export")
-    s.add_argument("--out", metavar="DIR", required=True, help="destination folder (replaced if it exists)")
+    s.add_argument("--out", metavar="DIR", required=True, help="destination folder (new or empty)")
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: pretune's earlier output "
+                   "there is replaced, anything else in it stays untouched")
     s.set_defaults(func=cmd_convert)
 
     from .bench import add_bench_parser
@@ -291,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", metavar="YAML", help="run config file")
     add_flags(s, PRETRAIN_FLAGS)
     s.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
+                   "that run wrote is removed, nothing else)")
     s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_pretrain)
@@ -306,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
     s.add_argument("--config", metavar="YAML", help="finetuning config file")
     add_flags(s, FINETUNE_FLAGS)
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint "
+                   "(bit for bit as if it had not stopped)")
+    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
+                   "that run wrote is removed, nothing else)")
     s.add_argument("--print-config", action="store_true", help="print the config the run would use and exit: "
                    "values derived from the data (steps from epochs, warmup, evaluation interval, learning rate) "
                    "filled in and marked")
@@ -319,9 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("model", help="finetuned checkpoint folder (or Hugging Face *For...* folder)")
         s.add_argument("data", help="JSONL/CSV/TSV/Parquet records")
         if name == "predict":
-            s.add_argument("--out", required=True, help="predictions JSONL")
+            s.add_argument("--out", required=True, help="predictions JSONL (a new file)")
+            s.add_argument("--scores", action="store_true", help="also write each record's raw scores (class "
+                           "probabilities, span scores, ...)")
         else:
-            s.add_argument("--json", help="also write the metrics to this JSON file")
+            s.add_argument("--json", help="also write the metrics to this JSON file (a new file)")
+        s.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
         s.add_argument("--task", help="task name when the model has no task.json")
         s.add_argument("--base", help="base model of an adapter folder (default: the path it recorded)")
         s.add_argument("--set", action="append", metavar="FIELD=VALUE",
@@ -355,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "its package is installed; prints test accuracy, macro-F1 and training time of each and draws "
                        "quickstart.png (pretraining loss, dev accuracy over finetuning steps). About 6 minutes on 2 "
                        "CPU cores; every artefact lands in --out.")
-    s.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart)")
+    s.add_argument("--out", default="runs/quickstart", help="run folder (default runs/quickstart; new or empty)")
+    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier quickstart "
+                   "(what it wrote is removed, nothing else)")
     s.add_argument("--fast", action="store_true", help="a one-minute version with a tiny model (used by the tests)")
     s.add_argument("--seed", type=int, default=0, help="initialisation, data order and masking (default 0)")
     s.add_argument("--no-minilm", action="store_true", help="skip finetuning the real MiniLM checkpoint")
@@ -365,12 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..checkpoint import CheckpointError
-    from ..config import ConfigError
-    from ..interop import InteropError
-
+    """Run the ``pretune`` command line. pretune's errors print one line, ``pretune CMD: message`` (exit 2); an
+    interrupted run says how to continue it (exit 130 for Ctrl-C, 143 for SIGTERM); anything unexpected prints one
+    line and asks for ``--debug`` (which shows the traceback instead)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     overrides: list[str] = []
     if argv and argv[0] in ("pretrain", "finetune"):  # section.key=value (or --section.key=value) anywhere
         overrides = [a.lstrip("-") for a in argv[1:] if OVERRIDE.match(a)]
@@ -378,20 +412,53 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("pretrain", "finetune"):
         args.overrides = overrides
-    from ..data.readers import DataError
-    from ..data.store import StoreError
-    from ..tokenization import TokenizerError
-    from ..train.loop import TrainingDiverged
-
     try:
         return args.func(args) or 0
-    except TrainingDiverged as e:
-        print(f"pretune {args.command}: {e}", file=sys.stderr)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes one line (or, with --debug, the traceback)
+        if debug or isinstance(e, SystemExit):
+            raise
+        sub = getattr(args, "what", None) or getattr(args, "peft_command", None)
+        return _report(f"{args.command} {sub}" if sub else args.command, e)
+
+
+def _report(command: str, e: BaseException) -> int:
+    """Print one line for ``e`` and return the exit code."""
+    import errno
+
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+    from ..data.readers import DataError
+    from ..data.store import StoreError
+    from ..interop import InteropError
+    from ..tokenization import TokenizerError
+    from ..train.loop import Interrupted, TrainingDiverged
+
+    where = f"pretune {command}"
+    if isinstance(e, Interrupted):
+        print(f"{where}: {e}", file=sys.stderr)
+        return e.exit_code
+    if isinstance(e, KeyboardInterrupt):
+        print(f"{where}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    if isinstance(e, TrainingDiverged):
+        print(f"{where}: {e}", file=sys.stderr)
         return 3
-    except (ConfigError, CheckpointError, InteropError, FileNotFoundError, DataError, StoreError,
-            TokenizerError) as e:
-        print(f"pretune {args.command}: error: {e}", file=sys.stderr)
+    if isinstance(e, (ConfigError, CheckpointError, InteropError, DataError, StoreError, TokenizerError)):
+        print(f"{where}: {e}", file=sys.stderr)
         return 2
+    if isinstance(e, OSError):
+        name = f" {e.filename}" if getattr(e, "filename", None) else ""
+        if e.errno == errno.ENOSPC:
+            print(f"{where}: no space left on the device while writing{name}; free some space (a checkpoint being "
+                  "written was discarded, the ones before it are intact) and run again (--resume for a run)",
+                  file=sys.stderr)
+        else:
+            print(f"{where}: {e.strerror or e}{':' + name if name else ''}", file=sys.stderr)
+        return 2
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"{where}: unexpected {type(e).__name__}{': ' + first if first else ''}; run with --debug for the "
+          "traceback", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

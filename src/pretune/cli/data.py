@@ -8,8 +8,12 @@ from pathlib import Path
 
 
 def cmd_tokenizer_train(args) -> int:
+    from ..outputs import check_file
     from ..tokenization import train_tokenizer
 
+    out = Path(args.out)
+    check_file(out if out.suffix == ".json" and not out.is_dir() else out / "tokenizer.json",
+               overwrite=args.overwrite, what="tokenizer file")
     lower = None if args.lowercase is None else args.lowercase == "yes"
     tok = train_tokenizer(args.files, kind=args.kind, vocab_size=args.vocab_size, specials=args.specials,
                           sentinels=args.sentinels, extra_specials=args.extra_specials, lowercase=lower,
@@ -35,7 +39,11 @@ def cmd_tokenizer_encode(args) -> int:
 
 def cmd_data_clean(args) -> int:
     from ..data.clean import RULES, CleanConfig, clean_files
+    from ..outputs import check_file
 
+    check_file(args.out, overwrite=args.overwrite, what="cleaned text file")
+    if args.report:
+        check_file(args.report, overwrite=args.overwrite, what="report file")
     off = set(args.no or [])
     cfg = CleanConfig(bad_words_file=args.bad_words, min_words=args.min_words, min_sentences=args.min_sentences,
                       unwrap=not args.no_unwrap, **{r: False for r in RULES if r in off})
@@ -56,6 +64,12 @@ def cmd_data_tokenize(args) -> int:
     from ..data.store import build_store, store_stats
     from ..tokenization import Tokenizer, tokenizer_sha
 
+    out = Path(args.out)
+    is_store = (out / "progress.json").is_file() or (out / "meta.json").is_file()  # a store's own build resumes
+    if not is_store:
+        from ..outputs import check_folder
+
+        check_folder(out, overwrite=args.overwrite, what="token store")
     tok = Tokenizer.load(args.tokenizer)
     paths = expand_sources(args.sources)
     n_bytes = count_bytes(paths, uncompressed=True)
@@ -102,7 +116,8 @@ def add_data_parsers(sub) -> None:
     t.add_argument("files", nargs="+", metavar="FILE", help="text files, folders or glob patterns")
     t.add_argument("--kind", required=True, choices=["bpe", "wordpiece", "unigram"])
     t.add_argument("--vocab-size", type=int, required=True, help="final vocabulary size, special tokens included")
-    t.add_argument("--out", required=True, help="tokenizer.json path or folder")
+    t.add_argument("--out", required=True, help="tokenizer.json path or folder (a new file)")
+    t.add_argument("--overwrite", action="store_true", help="replace the tokenizer file if it exists")
     t.add_argument("--specials", choices=["bert", "roberta", "t5"],
                    help="special-token set (default: bert for wordpiece, roberta for bpe, t5 for unigram)")
     t.add_argument("--sentinels", type=int, help="number of <extra_id_N> sentinels (default: 100 for t5, else 0)")
@@ -135,7 +150,8 @@ def add_data_parsers(sub) -> None:
                         description="Apply the C4 cleaning rules (Raffel et al. 2019 §2.2), each switchable with "
                         "--no RULE, and print how many pages/lines each rule removed.")
     d.add_argument("sources", nargs="+", metavar="SOURCE", help="files, folders or globs")
-    d.add_argument("--out", required=True, help="output .jsonl/.jsonl.gz/.txt/.txt.gz (written atomically)")
+    d.add_argument("--out", required=True, help="output .jsonl/.jsonl.gz/.txt/.txt.gz (a new file, written atomically)")
+    d.add_argument("--overwrite", action="store_true", help="replace --out (and --report) if they exist")
     d.add_argument("--no", nargs="+", choices=list(RULES), metavar="RULE",
                    help=f"rules to switch off: {', '.join(RULES)}")
     d.add_argument("--min-words", type=int, default=5, help="words a line needs (default 5)")
@@ -148,7 +164,10 @@ def add_data_parsers(sub) -> None:
     d = dsub.add_parser("tokenize", help="tokenize text once into a memory-mapped token store (resumable)")
     d.add_argument("sources", nargs="+", metavar="SOURCE", help="files, folders or globs")
     d.add_argument("--tokenizer", required=True, help="tokenizer.json or a folder holding one")
-    d.add_argument("--out", required=True, help="store folder (an interrupted build resumes)")
+    d.add_argument("--out", required=True, help="store folder: new or empty, or a store (an interrupted build resumes, "
+                   "a complete one is reused)")
+    d.add_argument("--overwrite", action="store_true", help="write the store into a folder that holds other files "
+                   "(they stay)")
     _reading(d)
     d.set_defaults(func=cmd_data_tokenize)
     d = dsub.add_parser("bundled", help="list the real corpus and task files that ship with pretune, or copy them",

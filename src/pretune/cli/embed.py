@@ -10,21 +10,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-import numpy as np
-
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..embed import (
-    _MAX_ALL_PAIRS,
-    _PROGRESS_MIN,
-    _check_pooling,
-    embed_texts,
-    load_encoder,
-    rank_all_pairs,
-    rank_pairs,
-    read_pairs,
-    read_texts,
-)
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -80,7 +67,24 @@ def _short(text: str, width: int) -> str:
 
 def cmd_embed(args) -> int:
     """``pretune embed``: embed the texts of a file, or rank pairs of them by cosine (``--similarity``)."""
+    import numpy as np
+
+    from ..embed import (
+        _MAX_ALL_PAIRS,
+        _PROGRESS_MIN,
+        _check_pooling,
+        embed_texts,
+        load_encoder,
+        rank_all_pairs,
+        rank_pairs,
+        read_pairs,
+        read_texts,
+    )
+    from ..outputs import check_file
+
     kind = _out_kind(args.out, args.similarity)
+    if args.out:
+        check_file(args.out, overwrite=args.overwrite, what="output file")
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     if args.similarity:
@@ -164,7 +168,9 @@ def add_embed_parser(sub) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", metavar="MODEL", help="pretune checkpoint folder or Hugging Face model folder")
     s.add_argument("input", metavar="INPUT", help=".txt, .jsonl, .csv, .tsv or .parquet file")
-    s.add_argument("--out", metavar="FILE", help=".npy or .jsonl (required unless --similarity; written atomically)")
+    s.add_argument("--out", metavar="FILE", help=".npy or .jsonl (required unless --similarity; a new file, written "
+                   "atomically)")
+    s.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     s.add_argument("--pooling", choices=["mean", "cls", "last"],
                    help="mean (default; over real tokens), cls (first token; encoders), last (last token; decoders)")
     s.add_argument("--normalize", action="store_true", help="scale every embedding to unit length")

@@ -8,7 +8,6 @@ per line); batches are left-padded.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 from pathlib import Path
@@ -82,7 +81,8 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
                    "seconds once inductor's disk cache has it), then every token costs little more than reading the "
                    "weights; worth it for long outputs and many prompts")
     s.add_argument("--no-stream", action="store_true", help="print a single output at the end, not as it grows")
-    s.add_argument("--out", metavar="FILE", help="also write JSONL: one line per prompt with its outputs")
+    s.add_argument("--out", metavar="FILE", help="also write JSONL: one line per prompt with its outputs (a new file)")
+    s.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     s.set_defaults(func=cmd_generate)
     return s
 
@@ -146,6 +146,10 @@ def cmd_generate(args) -> int:
     from ..model.layout import layout_of
 
     prompts = _read_prompts(args)
+    if args.out:
+        from ..outputs import check_file
+
+        check_file(args.out, overwrite=args.overwrite, what="output file")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
@@ -193,8 +197,8 @@ def cmd_generate(args) -> int:
                 print(f"{head} {prompts[start + i]}" if len(prompts) > 1 or n > 1 else prompts[start + i])
                 print(text + "\n")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            for r in results:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        from .prompt import _write_jsonl
+
+        _write_jsonl(results, args.out)
         print(f"wrote {len(results)} prompts' outputs to {args.out}", file=sys.stderr)
     return 0

@@ -6,14 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from ..peft.methods import METHOD_HELP
-
 
 def cmd_merge(args) -> int:
     from ..checkpoint import save
     from ..loading import TASK_FILE, folder_kind, load_pretrained
+    from ..outputs import check_folder
     from ..peft.inject import PeftError
 
+    check_folder(args.out, overwrite=args.overwrite)
     if folder_kind(args.adapter) != "adapter":
         raise PeftError(f"{args.adapter} is not an adapter folder (no adapter_model.safetensors with "
                         "pretune_adapter.json or adapter_config.json); `peft merge` folds an adapter into its base")
@@ -54,8 +54,21 @@ def cmd_info(args) -> int:
     return 0
 
 
+# the methods as the parser lists them (pretune.peft.methods is the registry; importing it would import torch, which
+# `pretune peft --help` must not: tests/test_cli.py keeps the two equal)
+METHOD_HELP = {
+    "lora": "low-rank update W0 + (alpha/r) B A of the target linear layers (Hu et al. 2021)",
+    "adapter": "Houlsby bottleneck (down, nonlinearity, up, residual) after attention and after the FFN",
+    "prefix": "trainable key/value prefixes at every self-attention layer (Li & Liang 2021)",
+    "prompt": "a soft prompt of n_virtual trainable embeddings prepended to the input (Lester et al. 2021)",
+    "ia3": "learned vectors rescaling keys, values and the FFN inner activation (Liu et al. 2022, T-Few)",
+    "embeddings": "train the token embedding matrix only (language adaptation)",
+    "bitfit": "train only the bias terms (+ the task head) (Ben Zaken et al. 2021)",
+}
+
+
 def add_peft_parser(sub) -> None:
-    methods = "\n".join(f"  {m:<11} {h}" for m, h in METHOD_HELP.items())
+    methods = "\n".join(f"  {m:<11} {h}" for m, h in METHOD_HELP.items())  # (kept equal to the registry: a test)
     s = sub.add_parser("peft", help="adapter folders: merge into the base model, describe",
                        description="Parameter-efficient finetuning runs with `pretune finetune --peft METHOD`; "
                        "these commands handle the adapter folders it writes.",
@@ -64,7 +77,9 @@ def add_peft_parser(sub) -> None:
     psub = s.add_subparsers(dest="peft_command", required=True)
     m = psub.add_parser("merge", help="write the base model with a LoRA/(IA)3 adapter folded in (a plain checkpoint)")
     m.add_argument("adapter", help="adapter folder (pretune or peft layout)")
-    m.add_argument("--out", required=True, help="folder for the merged checkpoint")
+    m.add_argument("--out", required=True, help="folder for the merged checkpoint (new or empty)")
+    m.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: pretune's earlier output "
+                   "there is replaced, anything else stays untouched")
     m.add_argument("--base", help="base model folder (default: the one the adapter recorded)")
     m.set_defaults(func=cmd_merge)
     i = psub.add_parser("info", help="method, settings, head, base and size of an adapter folder")

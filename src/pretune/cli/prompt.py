@@ -82,8 +82,10 @@ def add_prompt_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--sep", metavar="TEXT", default="\\n\\n",
                    help="separator between instruction, shots and query (default: a blank line)")
     s.add_argument("--limit", type=int, metavar="N", help="evaluate only the first N records of --data")
-    s.add_argument("--out", metavar="FILE", help="predictions JSONL, one line per record (written atomically)")
-    s.add_argument("--json", metavar="FILE", help="also write the metrics and settings to this JSON file")
+    s.add_argument("--out", metavar="FILE", help="predictions JSONL, one line per record (a new file, written "
+                   "atomically)")
+    s.add_argument("--json", metavar="FILE", help="also write the metrics and settings to this JSON file (a new file)")
+    s.add_argument("--overwrite", action="store_true", help="replace --out / --json if they exist")
     s.add_argument("--show-prompt", action="store_true", help="print the first record's whole prompt")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -187,8 +189,12 @@ def cmd_prompt(args) -> int:
     from tqdm.auto import tqdm
 
     from ..loading import load_pretrained
+    from ..outputs import check_file
     from ..prompting import evaluate_cot, evaluate_labels
 
+    for out in (args.out, args.json):
+        if out:
+            check_file(out, overwrite=args.overwrite, what="output file")
     template_text, sep = unescape(args.template), unescape(args.sep)
     if args.cot:
         if args.labels or args.verbalizer:

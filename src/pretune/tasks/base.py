@@ -155,6 +155,10 @@ class Task(Objective):
         """One line of ``pretune predict`` output."""
         return {"prediction": pred}
 
+    def scores_json(self, output) -> dict | list | float | None:
+        """A record's raw output as JSON for ``pretune predict --scores`` (None: the task shows none)."""
+        return None
+
     def score(self, predictions: list, references: list) -> dict:
         """The task's metrics of ``predictions`` against ``references`` (tasks/metrics.py)."""
         from .metrics import compute

@@ -100,6 +100,12 @@ class Classification(Task):
     def prediction_json(self, rec, pred):
         return {"prediction": pred}
 
+    def scores_json(self, output):
+        """Each label's probability (softmax of the logits)."""
+        z = np.asarray(output, dtype=np.float64)
+        p = np.exp(z - z.max())
+        return {label: round(float(v), 6) for label, v in zip(self.labels, p / p.sum())}
+
 
 class Pair(Classification):
     """Two texts → a label (NLI, paraphrase, "does gloss B define word A?"): BERT or GPT input format."""
@@ -136,6 +142,9 @@ class Regression(Classification):
 
     def predict(self, records, features, outputs):
         return [float(o[0]) for o in outputs]
+
+    def scores_json(self, output):
+        return None  # the prediction is the value
 
     def reference(self, rec: Record):
         return _number(rec, self.cfg.label_field)

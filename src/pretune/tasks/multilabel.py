@@ -67,6 +67,10 @@ class Multilabel(Classification):
         cut = float(np.log(self.cfg.threshold / (1 - self.cfg.threshold)))  # sigmoid(x) > t  <=>  x > logit(t)
         return [[self.labels[i] for i in np.flatnonzero(np.asarray(o) > cut)] for o in outputs]
 
+    def scores_json(self, output):
+        """Each label's probability (its own sigmoid)."""
+        return {label: round(float(1 / (1 + np.exp(-v))), 6) for label, v in zip(self.labels, np.asarray(output))}
+
     def reference(self, rec: Record):
         names = set(self.label_names(rec))
         return [label for label in self.labels if label in names]

@@ -29,8 +29,8 @@ class Callback:
     def on_train_end(self, trainer) -> None:
         """After the last step (and the last evaluation), before the job exports the model."""
 
-    def state_dict(self) -> dict:
-        """Plain values and tensors to checkpoint (tensors under keys of their own)."""
+    def state_dict(self, step: int) -> dict:
+        """Plain values and tensors to checkpoint at ``step`` (tensors under keys of their own)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -59,7 +59,7 @@ class EvalHistory(Callback):
     def on_evaluate(self, trainer, step, metrics):
         self.history.append((step, {k[len(self.prefix):]: v for k, v in metrics.items() if k.startswith(self.prefix)}))
 
-    def state_dict(self):
+    def state_dict(self, step):
         return {"history": [[s, h] for s, h in self.history]}
 
     def load_state_dict(self, state):
@@ -94,13 +94,18 @@ class KeepBest(Callback):
                     current[k].copy_(v)
             self.restored = True
 
-    def state_dict(self):
-        return {"best": self.best, "best_step": self.best_step,
-                **{f"tensor:{k}": v for k, v in self.saved.items()}}
+    def state_dict(self, step):
+        # at the best step the checkpoint's own weights are the copy: no second copy of the model in it
+        is_model = self.best_step == step
+        return {"best": self.best, "best_step": self.best_step, "copy_is_model": is_model,
+                **({} if is_model else {f"tensor:{k}": v for k, v in self.saved.items()})}
 
     def load_state_dict(self, state):
         self.best, self.best_step = state.get("best"), state.get("best_step")
-        self.saved = {k[len("tensor:"):]: v for k, v in state.items() if k.startswith("tensor:")}
+        if state.get("copy_is_model") and self.restore:  # the model was restored first: copy it
+            self.saved = {k: v.detach().clone() for k, v in self.params().items()}
+        else:
+            self.saved = {k[len("tensor:"):]: v for k, v in state.items() if k.startswith("tensor:")}
 
 
 class EarlyStopping(Callback):
@@ -121,7 +126,7 @@ class EarlyStopping(Callback):
             self.since += 1
         self.stop = self.since >= self.patience
 
-    def state_dict(self):
+    def state_dict(self, step):
         return {"best": self.best, "since": self.since}
 
     def load_state_dict(self, state):

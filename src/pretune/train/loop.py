@@ -20,14 +20,33 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..checkpoint import CheckpointError
 from .dist import DistInfo, all_gather_objects, all_reduce_sum, barrier
-from .state import list_checkpoints, load_training_state, save_training_state
+from .precision import resolve_precision
+from .state import clean_interrupted, list_checkpoints, load_training_state, save_training_state
 
 EVAL_EPOCH = 2**31 - 1  # the "epoch" evaluation examples are corrupted with: fixed, never a training epoch
 
 
 class TrainingDiverged(RuntimeError):
     """A non-finite loss: the run stops; the last good checkpoint is kept."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT (Ctrl-C) or SIGTERM stopped the run after a finished step (and its checkpoint, when the run keeps
+    checkpoints). ``exit_code``: 130 for SIGINT, 143 for SIGTERM, as a shell reports them."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        import signal
+
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if checkpoint is not None:
+            how = f"checkpoint {checkpoint.name} written; continue with the same command and --resume"
+        else:
+            how = "no checkpoint (train.keep_last=0 writes none), so the run cannot be continued"
+        super().__init__(f"interrupted ({name}) after step {step}: {how}")
 
 
 @dataclass
@@ -106,6 +125,7 @@ class Trainer:
         if len(data.train_ids) < cfg.batch_size:
             raise ValueError(f"train.batch_size ({cfg.batch_size}) is larger than the training set "
                              f"({len(data.train_ids)} examples): lower it or add data")
+        self.precision = resolve_precision(cfg.precision, d.device)  # jobs resolve (and print) it before
         self.module = _LossModule(model, objective).to(d.device)
         self.ddp = None
         if d.enabled:
@@ -183,7 +203,7 @@ class Trainer:
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _autocast(self):
-        if self.cfg.precision == "bf16":
+        if self.precision == "bf16":
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -307,21 +327,40 @@ class Trainer:
                                        optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
                                        position=dict(self.position), rng_states=rng, run_config=self.run_config,
                                        keep_last=self.cfg.keep_last,
-                                       callbacks=[cb.state_dict() for cb in self.callbacks])
+                                       callbacks=[cb.state_dict(self.step) for cb in self.callbacks])
         barrier(self.dist)
         return path or (self.run_dir / "checkpoints" / f"step-{self.step:08d}")
 
-    def resume(self) -> int:
-        """Restore the newest checkpoint of the run folder; returns the step it resumes from (0: none)."""
+    def resume(self, log: Callable[[str], None] = print) -> int:
+        """Restore the newest intact checkpoint of the run folder; returns the step it resumes from (0: none).
+        A checkpoint that does not load (truncated, corrupt, from another run) is skipped for the one before it,
+        saying which and why; temp folders of interrupted checkpoint writes are removed."""
+        from ..config import ConfigError
+
+        if self.dist.is_main:
+            for name in clean_interrupted(self.run_dir):
+                log(f"removed {name}: an interrupted checkpoint write")
+        barrier(self.dist)
         ckpts = list_checkpoints(self.run_dir)
-        if not ckpts:
+        skipped = []
+        for ckpt in reversed(ckpts):
+            try:
+                state = load_training_state(ckpt, model=self.model, objective=self.objective,
+                                            optimizer=self.optimizer, scheduler=self.scheduler)
+                break
+            except CheckpointError as e:
+                skipped.append(f"{ckpt.name}: {e}")
+        else:
+            if skipped:
+                raise CheckpointError(f"no checkpoint of {self.run_dir} loads: " + "; ".join(skipped))
             return 0
-        state = load_training_state(ckpts[-1], model=self.model, objective=self.objective,
-                                    optimizer=self.optimizer, scheduler=self.scheduler)
+        if self.dist.is_main:
+            for why in skipped:
+                log(f"skipped checkpoint {why}")
         rngs = state["rng"]
         if len(rngs) != self.dist.world:
-            raise ValueError(f"{ckpts[-1]} was written by {len(rngs)} process(es); resume it with the same number "
-                             f"(now {self.dist.world})")
+            raise ConfigError(f"{ckpt} was written by {len(rngs)} process(es) and this run has {self.dist.world}: "
+                              f"resume it with {len(rngs)} (torchrun --nproc_per_node {len(rngs)})")
         torch.set_rng_state(rngs[self.dist.rank])
         for cb, cb_state in zip(self.callbacks, state.get("callbacks") or []):
             cb.load_state_dict(cb_state)
@@ -339,11 +378,16 @@ class Trainer:
     def fit(self, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
         from tqdm.auto import tqdm
 
+        from ..config import ConfigError
         from .logging import MetricsLogger
 
         cfg, d = self.cfg, self.dist
-        start = self.resume() if resume else 0
-        if resume and start and d.is_main:
+        start = self.resume(log) if resume else 0
+        if resume and not start:
+            raise ConfigError(f"nothing to resume in {self.run_dir}: it holds no checkpoint (train.keep_last=0 "
+                              "writes none, and a run stopped before its first save_every has none); start it again "
+                              "with --overwrite")
+        if resume and d.is_main:
             log(f"resumed from step {start} ({self.run_dir / 'checkpoints'})")
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, enabled=d.is_main,
                                append=resume, resume_step=start)
@@ -354,6 +398,7 @@ class Trainer:
         last: dict = {}
         eval_out: dict = {}
         ckpt = None
+        signals = _SignalFlag()
         try:
             while self.step < cfg.steps:
                 ts = time.perf_counter()
@@ -382,6 +427,12 @@ class Trainer:
                         break
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps and cfg.keep_last:
                     ckpt = self.save_checkpoint()
+                signum = signals.agreed(d)
+                if signum and self.step < cfg.steps:  # finish the step, keep it, stop
+                    saved = ckpt if ckpt is not None and ckpt.name == f"step-{self.step:08d}" else None
+                    if cfg.keep_last and saved is None:
+                        saved = self.save_checkpoint()
+                    raise Interrupted(signum, self.step, saved)
             if self.stopped_early or start < cfg.steps or not list_checkpoints(self.run_dir):
                 if not self.stopped_early:
                     eval_out = self.evaluate()
@@ -395,10 +446,49 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_end(self)
         finally:
+            signals.restore()
             bar.close()
             logger.close()
         return TrainResult(step=self.step, train_loss=last.get("loss", float("nan")), eval=eval_out,
                            seconds=time.perf_counter() - t0, tokens=tokens, run_dir=self.run_dir, checkpoint=ckpt)
+
+
+class _SignalFlag:
+    """SIGINT / SIGTERM during training set a flag instead of killing the process; the loop stops after the step
+    it is in (a second Ctrl-C stops at once). Under DDP the processes agree on the flag every step."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.signum = 0
+        self.old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        import signal
+
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signum = signum
+
+    def agreed(self, d: DistInfo) -> int:
+        """The signal received (0: none); under DDP, one any process received, the same on every process."""
+        import signal
+
+        if not d.enabled:
+            return self.signum
+        got = torch.tensor([[self.signum == signal.SIGINT, self.signum == signal.SIGTERM]], dtype=torch.float64)
+        total = all_reduce_sum(got, d)[0]
+        return signal.SIGINT if total[0] else signal.SIGTERM if total[1] else 0
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
 
 
 def _fmt_eval(step: int, ev: dict) -> str:

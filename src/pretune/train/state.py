@@ -1,27 +1,35 @@
-"""Resumable training checkpoints: model + objective + optimizer + scheduler + RNG + data position.
+"""Resumable training checkpoints: model + objective + optimizer + scheduler + RNG + data position + callbacks.
 
 Layout of ``<run>/checkpoints/step-00000100/`` (written to a temp folder, then renamed)::
 
-    model/                  a plain pretune checkpoint (config.json, model.safetensors, tokenizer.json)
+    model/                  a plain pretune checkpoint (config.json, model.safetensors, tokenizer.json), when every
+                            parameter trains
+    trainable.safetensors   instead of model/ when some parameters are frozen (PEFT, a frozen body): only the ones
+                            that train (an adapter and its head), never a copy of the frozen base
     objective.safetensors   pretraining-only weights (NSP head, ELECTRA generator), if any
     trainer.pt              optimizer, scheduler, step, data position, RNG states, callbacks' plain state
-                            (torch.load weights_only)
+                            (torch.load weights_only: tensors and plain values, nothing else unpickled)
     callbacks.safetensors   callbacks' tensors (keep-best's copy of the best weights), if any
     run.yaml                the resolved run config
+
+Every file is read and checked before anything is put into the model, so a checkpoint that fails to load leaves
+the model as it was and the next older one can be tried (``Trainer.resume``).
 """
 
 from __future__ import annotations
 
+import pickle
 import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, load_state, save
+from ..checkpoint import CheckpointError, atomic_folder, load_state, read_weights, save
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+TEMP_DIR = re.compile(r"^\.step-\d{8}\.(tmp|old)-")  # what an interrupted checkpoint write leaves
 
 
 def objective_state(objective, model) -> dict[str, torch.Tensor]:
@@ -37,12 +45,33 @@ def objective_state(objective, model) -> dict[str, torch.Tensor]:
     return out
 
 
+def trainable_state(model) -> dict[str, torch.Tensor] | None:
+    """The parameters that train, by name, when some are frozen; None when every parameter trains."""
+    params = dict(model.named_parameters())
+    if all(p.requires_grad for p in params.values()):
+        return None
+    return {n: p for n, p in params.items() if p.requires_grad}
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (temp folders of an interrupted write are ignored)."""
     d = Path(run_dir) / "checkpoints"
     if not d.is_dir():
         return []
     return sorted(p for p in d.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+def clean_interrupted(run_dir: str | Path) -> list[str]:
+    """Remove the temp folders interrupted checkpoint writes left in ``<run>/checkpoints``; returns their names."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    removed = []
+    for p in sorted(d.iterdir()):
+        if p.is_dir() and TEMP_DIR.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed
 
 
 def save_training_state(run_dir: str | Path, *, step: int, model, objective, optimizer, scheduler, tokenizer,
@@ -56,13 +85,19 @@ def save_training_state(run_dir: str | Path, *, step: int, model, objective, opt
         plain.append({k: v for k, v in cb.items() if not isinstance(v, torch.Tensor)})
         tensors.update({f"{i}/{k}": v.detach().contiguous().cpu() for k, v in cb.items()
                         if isinstance(v, torch.Tensor)})
+    meta = {"format": "pt", "library": "pretune"}
+    trainable = trainable_state(objective.finetunable(model))
     with atomic_folder(path) as tmp:
-        save(objective.finetunable(model), tmp / "model", tokenizer=tokenizer)
+        if trainable is None:
+            save(objective.finetunable(model), tmp / "model", tokenizer=tokenizer)
+        else:
+            save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()},
+                      str(tmp / "trainable.safetensors"), metadata=meta)
         extra = objective_state(objective, model)
         if extra:
-            save_file(extra, str(tmp / "objective.safetensors"), metadata={"format": "pt", "library": "pretune"})
+            save_file(extra, str(tmp / "objective.safetensors"), metadata=meta)
         if tensors:
-            save_file(tensors, str(tmp / "callbacks.safetensors"), metadata={"format": "pt", "library": "pretune"})
+            save_file(tensors, str(tmp / "callbacks.safetensors"), metadata=meta)
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "position": position, "rng": rng_states, "callbacks": plain, "format": 1}, tmp / "trainer.pt")
         if run_config is not None:
@@ -72,41 +107,86 @@ def save_training_state(run_dir: str | Path, *, step: int, model, objective, opt
     return path
 
 
+def _read_trainer(path: Path) -> dict:
+    file = path / "trainer.pt"
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a training checkpoint (no trainer.pt)")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file}: refused to unpickle it: it holds more than tensors and plain values "
+                              f"(not written by pretune?): {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not readable ({str(e).splitlines()[0]}); the file is truncated or "
+                              "corrupt") from None
+    if not isinstance(state, dict) or not {"step", "optimizer", "scheduler", "position", "rng"} <= set(state):
+        what = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{file}: not a pretune trainer state ({what})")
+    return state
+
+
 def load_training_state(path: str | Path, *, model, objective, optimizer, scheduler) -> dict:
     """Restore a checkpoint written by :func:`save_training_state` in place; returns the trainer dict
-    (step, position, rng). Strict: a missing or mis-shaped tensor is an error naming it."""
+    (step, position, rng, callbacks). Every file is read and checked first (a missing, truncated or mis-shaped
+    tensor is a CheckpointError naming it), so a failure leaves the model, objective and optimizer untouched."""
     path = Path(path)
-    trainer_file = path / "trainer.pt"
-    if not trainer_file.is_file():
-        raise CheckpointError(f"{path} is not a training checkpoint (no trainer.pt)")
-    from ..checkpoint import read_weights
-
-    load_state(model, read_weights(path / "model" / "model.safetensors"), source=str(path / "model"))
+    state = _read_trainer(path)
+    target = objective.finetunable(model)
+    trainable = trainable_state(target)
+    if trainable is not None:
+        file = path / "trainable.safetensors"
+        if not file.is_file():
+            raise CheckpointError(f"{path}: no trainable.safetensors, but this run trains only some parameters (a "
+                                  "checkpoint of a run with another PEFT method or freezing?)")
+        saved = read_weights(file)
+        missing, extra = sorted(set(trainable) - set(saved)), sorted(set(saved) - set(trainable))
+        if missing or extra:
+            raise CheckpointError(f"{file}: the trained tensors differ from this run's (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}): a checkpoint of another method or model?")
+        for k, t in saved.items():
+            if tuple(t.shape) != tuple(trainable[k].shape):
+                raise CheckpointError(f"{file}: {k} has shape {tuple(t.shape)}, expected {tuple(trainable[k].shape)}")
+    else:
+        saved = read_weights(path / "model" / "model.safetensors")
     own = objective_state(objective, model)
+    own_saved = {}
     if own:
         f = path / "objective.safetensors"
         if not f.is_file():
             raise CheckpointError(f"{path}: objective.safetensors is missing (the objective has {len(own)} tensors)")
-        saved = load_file(str(f))
-        missing = sorted(set(own) - set(saved))
-        extra = sorted(set(saved) - set(own))
+        own_saved = read_weights(f)
+        missing = sorted(set(own) - set(own_saved))
+        extra = sorted(set(own_saved) - set(own))
         if missing or extra:
             raise CheckpointError(f"{f}: objective tensors differ (missing {missing[:5]}, unexpected {extra[:5]}): "
                                   "was it written by a different objective?")
-        with torch.no_grad():
-            params = dict(objective.state_dict(keep_vars=True))
-            for k, v in saved.items():
-                if params[k].shape != v.shape:
-                    raise CheckpointError(f"{f}: {k} has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}")
-                params[k].copy_(v)
-    state = torch.load(trainer_file, map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+        for k, v in own_saved.items():
+            if own[k].shape != v.shape:
+                raise CheckpointError(f"{f}: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
     cb_file = path / "callbacks.safetensors"
+    cbs = [dict(c) for c in state.get("callbacks") or []]
     if cb_file.is_file():  # the callbacks' tensors back into their states
-        cbs = [dict(c) for c in state.get("callbacks") or []]
         for key, t in read_weights(cb_file).items():
             i, _, name = key.partition("/")
+            if not i.isdigit() or int(i) >= len(cbs):
+                raise CheckpointError(f"{cb_file}: tensor {key!r} belongs to no callback of the checkpoint")
             cbs[int(i)][name] = t
-        state["callbacks"] = cbs
+    # everything read and checked: put it in
+    if trainable is not None:
+        with torch.no_grad():
+            for k, t in saved.items():
+                trainable[k].copy_(t)
+    else:
+        load_state(target, saved, source=str(path / "model"))
+    if own_saved:
+        with torch.no_grad():
+            params = dict(objective.state_dict(keep_vars=True))
+            for k, v in own_saved.items():
+                params[k].copy_(v)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{path / 'trainer.pt'}: its optimizer state does not fit this run ({e})") from None
+    state["callbacks"] = cbs
     return state
