@@ -89,7 +89,23 @@ def test_finetune_print_config_shows_the_steps_the_run_takes(tmp_path, capsys):
     assert "lr: 5.0e-05  # derived: the default of full finetuning" in out
     assert main(["finetune", "--model", str(model), "--task", "classification", "--train", str(train),
                  "--epochs", "1", "--peft", "bitfit", "--print-config"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["train"]["lr"] == 1e-3  # BitFit's default rate
+    out = capsys.readouterr().out
+    cfg = yaml.safe_load(out)
+    assert cfg["train"]["lr"] == 1e-3 and cfg["tune"]["head_lr"] == 1e-2  # BitFit's rate; a PEFT run's head rate
+    assert "head_lr: 0.01  # derived: the task head's default next to peft bitfit" in out
+    assert cfg["train"]["save_every"] == cfg["train"]["eval_every"]  # a checkpoint at every dev evaluation
+    assert main(["finetune", "--model", str(model), "--task", "classification", "--train", str(train),
+                 "--epochs", "1", "--peft", "prompt", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["train"]["lr"] == 3e-2 and cfg["tune"]["head_lr"] == 0  # the head at the method's own, higher rate
+    assert main(["finetune", "--model", str(model), "--task", "classification", "--train", str(train),
+                 "--epochs", "1", "--freeze-body", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["train"]["lr"] == 1e-2 and cfg["tune"]["head_lr"] == 0  # a linear probe: the head is all that trains
+    assert cfg["task"]["pooling"] == ""  # the model's own: MiniLM was trained with mean pooling
+    from pretune import load
+
+    assert load(model).config.pooling == "mean"
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
@@ -110,3 +126,41 @@ def test_every_flag_is_a_config_key():
     args = parser.parse_args(["pretrain", "--data", "a.txt", "b.txt", "--steps", "5"])
     assert config_layer(args, PRETRAIN_FLAGS) == {"data": {"train": ["a.txt", "b.txt"]}, "train": {"steps": 5}}
     assert main(["finetune", "--model", "x", "--preset", "tiny-bert-base", "--print-config"]) == 2  # one or other
+
+
+HELP_SCRIPT = """
+import sys, contextlib, io
+from pretune.cli import build_parser, main
+parser = build_parser()
+sub = next(a for a in parser._actions if a.dest == "command")
+commands = [[c] for c in sub.choices]
+for name, p in sub.choices.items():  # the nested ones: tokenizer train, peft merge, bench model, ...
+    for a in p._actions:
+        if getattr(a, "choices", None) and isinstance(a.choices, dict):
+            commands += [[name, c] for c in a.choices]
+for argv in [[]] + commands:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main([*argv, "--help"])
+        except SystemExit as e:
+            assert e.code == 0, argv
+print(len(commands), sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "numpy", "transformers"))))
+"""
+
+
+def test_help_of_every_command_imports_no_torch():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", HELP_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n, loaded = out.stdout.split(" ", 1)
+    assert int(n) >= 20 and loaded.strip() == "[]", out.stdout
+
+
+def test_the_cli_method_help_is_the_registrys():
+    """cli/peft.py keeps a literal copy (importing the registry would import torch for --help)."""
+    from pretune.cli.peft import METHOD_HELP as cli_help
+    from pretune.peft import METHOD_HELP
+
+    assert cli_help == METHOD_HELP

@@ -123,7 +123,9 @@ def test_resume_of_a_finished_run_exits_0_without_training(run, capsys):
     out, tok, corpus = run
     before = (out / "metrics.jsonl").read_text()
     assert _pretrain(tok, [corpus], out, "--train.lr=1e-3", "--resume") == 0
-    assert "resumed from step 6" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resumed from step 6" in printed
+    assert "precision: " in printed and ("auto; CPU" in printed or "as set" in printed)  # every run says it
     assert (out / "metrics.jsonl").read_text() == before  # nothing trained, nothing logged twice
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
 
@@ -221,3 +223,23 @@ def test_objective_the_architecture_cannot_serve(small_corpus, tokenizers_by_kin
     rc = _pretrain(tokenizers_by_kind["wordpiece"], [small_corpus], tmp_path / "run", "--preset", "tiny-gpt2")
     err = _error(capsys, rc)
     assert "'mlm'" in err and "decoder-only" in err and "encoder" in err
+
+
+def test_resume_for_more_steps_keeps_the_record_of_the_first_part(run, tmp_path, capsys):
+    import shutil
+
+    src, tok, corpus = run
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    assert main(["pretrain", "--tokenizer", str(tok), "--out", str(out), "--data", str(corpus), *RUN_ARGS,
+                 "--train.lr=1e-3", "--resume", "--steps", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "resume: train.steps: 6 -> 8 (the schedule is recomputed for the new length)" in printed
+    assert yaml.safe_load((out / "run.until-step-00000006.yaml").read_text())["train"]["steps"] == 6
+    assert yaml.safe_load((out / "run.yaml").read_text())["train"]["steps"] == 8
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 8
+    # --overwrite removes what the runs wrote, the kept config included, and nothing else
+    (out / "notes.txt").write_text("mine")
+    assert _pretrain(tok, [corpus], out, "--overwrite") == 0
+    assert not (out / "run.until-step-00000006.yaml").exists() and (out / "notes.txt").read_text() == "mine"

@@ -74,7 +74,7 @@ def atomic_folder(path: str | os.PathLike):
 
 class _AtomicFolder:
     def __init__(self, path: Path):
-        self.path = path
+        self.path = Path(os.path.abspath(path))  # "." too: the temp folder goes beside it, not inside
 
     def __enter__(self) -> Path:
         from .outputs import _check_parents

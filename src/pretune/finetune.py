@@ -72,10 +72,13 @@ class TuneConfig:
     patience: int = 0  # stop after this many evaluations without dev improvement; 0: never stop early
     keep_best: bool = True  # the final model is the one with the best dev metric, not the last
     warmup_ratio: float = 0.1  # linear warmup over this share of the steps (when train.warmup_steps is 0)
-    head_lr: float = 0.0  # peak learning rate of a task head (classifier, tagger, QA span head); 0: train.lr
+    head_lr: float = 0.0  # peak lr of a task head (classifier, tagger, QA span head); 0: train.lr, with --peft HEAD_LR
 
 
 FULL_LR = 5e-5  # full finetuning's default peak learning rate (BERT's range is 2e-5..5e-5; Devlin et al. 2019)
+# a fresh task head next to a frozen body (PEFT, a linear probe): without a rate of its own it barely moves in a
+# few epochs at an adapter's 1e-3 and settles on the majority class (measured: BENCHMARKS.md, PEFT vs full)
+HEAD_LR = 1e-2
 FINETUNE_TRAIN_DEFAULTS = dict(out="runs/finetune", lr=0.0, batch_size=32, eval_every=0, save_every=0,
                                keep_last=1, log_every=10, tensorboard=False)
 
@@ -116,16 +119,24 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
                          **{k: section(k, c, merged.get(k) or {}) for k, c in FinetuneConfig.SECTIONS.items()})
     t, tune, tr = cfg.task, cfg.tune, cfg.train
     if t.name not in TASKS:
-        raise ConfigError(f"task.name={t.name!r} is not one of {list(TASKS)}{_did_you_mean(t.name, list(TASKS))}")
+        close = _did_you_mean(t.name, list(TASKS))
+        raise ConfigError(f"task.name={t.name!r}: expected one of {', '.join(TASKS)}"
+                          f"{close if 'did you mean' in close else ''}")
     if t.max_len < 8:
         raise ConfigError(f"task.max_len={t.max_len} is too short (at least 8 tokens)")
+    if not 0 < t.threshold < 1:
+        raise ConfigError(f"task.threshold={t.threshold}: expected a probability strictly between 0 and 1 (multilabel "
+                          "predicts each label whose probability exceeds it)")
     if t.pooling and t.pooling not in ("pooler", "cls", "mean", "last"):
         raise ConfigError(f"task.pooling={t.pooling!r} is not one of pooler, cls, mean, last")
     if t.stride < 0 or t.max_answer_len < 1 or t.max_target_len < 2:
         raise ConfigError("task.stride must be >= 0, task.max_answer_len >= 1 and task.max_target_len >= 2")
-    if tune.epochs < 0 or tune.patience < 0 or tune.evals_per_epoch < 1 or not 0 <= tune.warmup_ratio < 1:
-        raise ConfigError("tune.epochs and tune.patience must be >= 0, tune.evals_per_epoch >= 1, "
-                          "tune.warmup_ratio in [0, 1)")
+    for key, value, ok, want in (("tune.epochs", tune.epochs, tune.epochs >= 0, ">= 0 (0: train for train.steps)"),
+                                 ("tune.patience", tune.patience, tune.patience >= 0, ">= 0 (0: never stop early)"),
+                                 ("tune.evals_per_epoch", tune.evals_per_epoch, tune.evals_per_epoch >= 1, ">= 1"),
+                                 ("tune.warmup_ratio", tune.warmup_ratio, 0 <= tune.warmup_ratio < 1, "in [0, 1)")):
+        if not ok:
+            raise ConfigError(f"{key}={value:g}: expected {want}")
     check_batch(tr)
     if tr.lr < 0:
         raise ConfigError(f"train.lr={tr.lr} must be > 0 (or 0: the method's default)")
@@ -152,7 +163,11 @@ class FullMethod:
     def __init__(self, freeze_body: bool = False):
         self.freeze_body = freeze_body
         self.name = "head only (body frozen)" if freeze_body else "full finetuning"
-        self.default_lr = FULL_LR
+        self.default_lr = HEAD_LR if freeze_body else FULL_LR  # a linear probe trains only a fresh head
+
+    def default_head_lr(self, lr: float) -> float:
+        """The task head's rate when tune.head_lr is not set: the run's (full finetuning, a probe)."""
+        return lr
 
     def room(self, cfg: FinetuneConfig, model_cfg) -> int:
         """Positions the task's inputs may take (all of them)."""
@@ -185,6 +200,10 @@ class AdapterMethod:
         self.modules = [METHODS[m] for m in peft_cfg.methods]
         self.name = f"peft {peft_cfg.method}"
         self.default_lr = self.modules[0].DEFAULT_LR  # a combination: the first method's
+
+    def default_head_lr(self, lr: float) -> float:
+        """The task head's rate when tune.head_lr is not set: HEAD_LR, or the run's when that is higher."""
+        return max(lr, HEAD_LR)
 
     def room(self, cfg: FinetuneConfig, model_cfg) -> int:
         """Positions left for the task's inputs: a soft prompt takes some of an absolute position table."""
@@ -327,7 +346,8 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         model.config = model.transformer.config = model.config.replace(**records)
     feats = {split: encode_records(task, recs, show_progress=show_progress, desc=f"encode {split}")
              for split, recs in (("train", train_recs), ("dev", dev_recs), ("test", test_recs))}
-    cfg = _resolve_train(cfg, len(feats["train"]), method, derived)
+    cfg = _resolve_train(cfg, len(feats["train"]), method, derived,
+                         task_head=model.config.head in TASK_HEADS and model.head is not None)
     method.setup(model, tok, cfg, log)
     metric = cfg.task.metric or task.default_metric
     return Prepared(cfg=cfg, model=model, tokenizer=tok, task=task, method=method,
@@ -335,8 +355,9 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
                     metric=metric, derived=derived)
 
 
-def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict) -> FinetuneConfig:
-    """train.* as the run uses them, recording each derivation in ``derived``."""
+def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, task_head: bool = False
+                   ) -> FinetuneConfig:
+    """train.* (and tune.head_lr) as the run uses them, recording each derivation in ``derived``."""
     tr, tune = cfg.train, cfg.tune
     if tr.batch_size > n_train:
         bs = n_train - n_train % tr.grad_accum or tr.grad_accum
@@ -352,6 +373,10 @@ def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict) -> 
     if not eval_every:
         eval_every = max(1, per_epoch // tune.evals_per_epoch)
         derived["train.eval_every"] = f"{per_epoch} steps per epoch / tune.evals_per_epoch={tune.evals_per_epoch}"
+    save_every = tr.save_every
+    if not save_every and tr.keep_last:
+        save_every = eval_every
+        derived["train.save_every"] = "train.eval_every: a resumable checkpoint after every dev evaluation"
     warmup = tr.warmup_steps
     if not warmup:
         warmup = int(tune.warmup_ratio * steps)
@@ -363,9 +388,14 @@ def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict) -> 
     precision = resolve_precision(tr.precision, "cpu")
     if tr.precision == "auto":
         derived["train.precision"] = f"auto on {describe_device('cpu')}"
-    tr = dataclasses.replace(tr, steps=steps, eval_every=eval_every, warmup_steps=warmup, lr=lr, precision=precision)
+    tr = dataclasses.replace(tr, steps=steps, eval_every=eval_every, save_every=save_every, warmup_steps=warmup, lr=lr,
+                             precision=precision)
     check_train(tr)
-    return dataclasses.replace(cfg, train=tr)
+    head_lr = tune.head_lr
+    if not head_lr and task_head and method.default_head_lr(lr) != lr:
+        head_lr = method.default_head_lr(lr)
+        derived["tune.head_lr"] = f"the task head's default next to {method.name} (HEAD_LR, or train.lr if higher)"
+    return dataclasses.replace(cfg, train=tr, tune=dataclasses.replace(tune, head_lr=head_lr))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,7 +429,7 @@ def _trainer(job: Prepared, *, show_progress: bool, log):
 
     def evaluator() -> dict:
         m, _ = evaluate_task(task, model, job.records["dev"], batch_size=tr.batch_size * 2, precision=tr.precision,
-                             features=job.features["dev"])
+                             features=job.features["dev"], show_progress=show_progress, desc="dev")
         return {f"dev_{k}": v for k, v in m.items()}
 
     callbacks = [EvalHistory(), KeepBest(f"dev_{job.metric}", trained_params, higher=higher,
@@ -443,7 +473,6 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     cfg, model, task, tr = job.cfg, job.model, job.task, job.cfg.train
     run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
                                  derived=tuple(job.derived))
-    cfg.save(run_dir / "run.yaml")
     counts = count_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n = {k: len(v) for k, v in job.records.items()}
@@ -452,7 +481,8 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         f"{trainable / 1e6:.2f}M trainable, {job.method.name}{', from scratch' if cfg.tune.from_scratch else ''}), "
         f"{n['train']} train / {n['dev']} dev{test} records"
         f"{f', {len(task.labels)} labels' if task.labels else ''}; {tr.steps} steps of {tr.batch_size} "
-        f"({cfg.tune.epochs:g} epochs) at lr {tr.lr:g}, dev {job.metric} every {tr.eval_every} steps -> {run_dir}")
+        f"({f'{cfg.tune.epochs:g} epochs' if cfg.tune.epochs else 'train.steps, as tune.epochs=0'}) at lr "
+        f"{tr.lr:g}, dev {job.metric} every {tr.eval_every} steps -> {run_dir}")
     log(precision_line(requested, tr.precision))
     trainer = _trainer(job, show_progress=show_progress, log=log)
     t0 = time.perf_counter()
@@ -490,7 +520,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
         # in fp32 whatever the training precision: the scores `pretune evaluate MODEL TEST` reproduces
         test_metrics, preds = evaluate_task(task, model, job.records["test"], batch_size=tr.batch_size * 2,
                                             precision="fp32", features=job.features["test"],
-                                            show_progress=show_progress)
+                                            show_progress=show_progress, desc="test")
         write_predictions(task, job.records["test"], preds, run_dir / "test_predictions.jsonl")
     results = {"task": task.name, "metric": job.metric, "best_step": best.best_step, "steps": steps,
                "stopped_early": trainer.stopped_early, "train_seconds": seconds, "dev": dev_final,

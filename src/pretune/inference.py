@@ -54,7 +54,7 @@ def encode_records(task, records: list[Record], *, labelled: bool = True, show_p
 
 @torch.no_grad()
 def run_outputs(task, model, features: list[dict], *, batch_size: int = 64, precision: str = "fp32",
-                show_progress: bool = False, loss_sums: dict | None = None) -> list:
+                show_progress: bool = False, loss_sums: dict | None = None, desc: str = "predict") -> list:
     """Raw task outputs for every feature, batched by length (least padding), in the input order.
     With ``loss_sums`` (a dict), also accumulates the loss-term sums and counts (for perplexity)."""
     import contextlib
@@ -68,7 +68,7 @@ def run_outputs(task, model, features: list[dict], *, batch_size: int = 64, prec
     out: list = [None] * len(features)
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    for chunk in tqdm(chunks, desc="predict", unit="batch", disable=not show_progress, leave=False):
+    for chunk in tqdm(chunks, desc=desc, unit="batch", disable=not show_progress, leave=False, dynamic_ncols=True):
         batch = task.collate([features[i] for i in chunk])
         batch = {k: v.to(device) for k, v in batch.items()}
         with ctx:
@@ -90,13 +90,14 @@ def score(task, records: list[Record], predictions: list) -> dict:
 
 
 def evaluate_task(task, model, records: list[Record], *, batch_size: int = 64, precision: str = "fp32",
-                  show_progress: bool = False, features: list[dict] | None = None) -> tuple[dict, list]:
+                  show_progress: bool = False, features: list[dict] | None = None,
+                  desc: str = "evaluate") -> tuple[dict, list]:
     """(metrics, predictions) of ``model`` on labelled ``records``."""
     if features is None:
         features = encode_records(task, records, labelled=True, show_progress=show_progress)
     sums: dict | None = {} if task.name == "seq2seq" else None
     outs = run_outputs(task, model, features, batch_size=batch_size, precision=precision,
-                       show_progress=show_progress, loss_sums=sums)
+                       show_progress=show_progress, loss_sums=sums, desc=desc)
     preds = task.predict(records, features, outs)
     metrics = score(task, records, preds)
     if sums:
@@ -185,7 +186,7 @@ def write_predictions(task, records: list[Record], preds: list, out: Path, score
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for i, (rec, pred) in enumerate(zip(records, preds)):
-            line = {"row": rec.where, **task.prediction_json(rec, pred)}
+            line = {"row": rec.row, **task.prediction_json(rec, pred)}
             try:
                 line["gold"] = task.reference(rec)
             except (DataError, KeyError, ValueError):

@@ -113,6 +113,19 @@ def _tokenizer(sources: list[Path | str], required: bool, what: Path):
     return None
 
 
+def _check_same_vocab(tok, own, *, given, path: Path) -> None:
+    """A tokenizer given for a model that has its own must map every token to the same id: otherwise the model reads
+    other words than it was trained on (a same-size vocabulary would pass unnoticed)."""
+    mine, theirs = tok.tk.get_vocab(with_added_tokens=True), own.tk.get_vocab(with_added_tokens=True)
+    differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
+    if differ:
+        t = differ[0]
+        raise ConfigError(f"{given}: the tokenizer maps {len(differ)} of {len(theirs)} tokens to other ids than the "
+                          f"tokenizer saved with {path} (e.g. {t!r}: {mine.get(t)} here, {theirs.get(t)} there), so "
+                          "the model would read other words than it was trained on; leave --tokenizer out to use "
+                          "the model's own")
+
+
 def _adapter_base(path: Path, base: str | os.PathLike | None) -> Path:
     from .peft import read_meta
     from .peft.inject import PeftError
@@ -165,6 +178,10 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
         tok_sources = [tokenizer] if tokenizer else [path]
         task = read_task(path)
     tok = _tokenizer([s for s in tok_sources if s], need_tokenizer or tokenizer is not None, path)
+    if tokenizer and tok is not None:
+        own = _tokenizer([path] + ([base_dir] if base_dir else []), False, path)
+        if own is not None:
+            _check_same_vocab(tok, own, given=tokenizer, path=path)
     if tok is not None and tok.vocab_size > model.config.vocab_size:
         raise ConfigError(f"the tokenizer of {path} has {tok.vocab_size} tokens but the model's vocabulary has "
                           f"{model.config.vocab_size}: is it the model's own tokenizer?")

@@ -222,7 +222,6 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
         barrier(dist)
         tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
         if dist.is_main:
-            cfg.save(run_dir / "run.yaml")
             counts = count_parameters(model)
             extra = sum(p.numel() for p in objective.parameters() if all(p is not q for q in model.parameters()))
             log(f"pretune pretrain: {cfg.objective.name} on {model.config.arch} model "

@@ -95,13 +95,34 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     for module, pip_name in (("transformers", "transformers"), ("gguf", "gguf")):
         if importlib.util.find_spec(module) is None:
             raise ImportError(f"converting {gguf.name} needs the {module!r} package: `pip install {pip_name}`")
+    import sys
+
+    print(f"converting {gguf.name} to a Hugging Face folder once (about half a minute) -> {folder}", file=sys.stderr,
+          flush=True)
     _convert_gguf(gguf, folder)
     return folder
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
-    import torch
+    """The conversion, quietly: transformers' de-quantisation draws ~40 progress bars on stderr; they are kept
+    aside and shown only if the conversion fails."""
+    import contextlib
+    import io
+    import sys
+
     import transformers
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            _convert(transformers, gguf, folder)
+    except BaseException:
+        sys.stderr.write(said.getvalue()[-4000:])
+        raise
+
+
+def _convert(transformers, gguf: Path, folder: Path) -> None:
+    import torch
 
     from .checkpoint import atomic_folder
 

@@ -170,6 +170,9 @@ def check_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.lr={t.lr} must be > 0")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.warmup_steps > t.steps:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps={t.steps}); "
+                          f"expected at most {t.steps}")
 
 
 def check_data(d: DataConfig) -> None:
@@ -209,9 +212,17 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
         path = Path(yaml_file)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
+        import yaml
+
         try:
             loaded = OmegaConf.load(path)
-        except (OmegaConfBaseException, ValueError) as e:
+        except yaml.YAMLError as e:  # a syntax error: name the line (1-based) and what the parser expected
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+            raise ConfigError(f"{where}: not valid YAML (line {mark.line + 1 if mark else '?'}, column "
+                              f"{mark.column + 1 if mark else '?'}: {what or e})") from None
+        except (OmegaConfBaseException, ValueError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not a valid YAML config: {e}") from None
         if not OmegaConf.is_dict(loaded):
             raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(sections)})")
@@ -239,10 +250,11 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
     return merged
 
 
-# what may change when a run is resumed: logging and saving cadence, threads; a longer run (then the schedule is
-# recomputed for the new total, and values derived from the length, such as finetuning's warmup, follow)
+# what may change when a run is resumed: logging and saving cadence, threads, the folder's path (a moved run); a
+# longer run (then the schedule is recomputed for the new total, and values derived from the length, such as
+# finetuning's warmup, follow)
 RESUME_MAY_CHANGE = ("train.eval_every", "train.save_every", "train.log_every", "train.threads", "train.tensorboard",
-                     "train.plot", "train.eval_batches", "train.keep_last")
+                     "train.plot", "train.eval_batches", "train.keep_last", "train.out")
 RESUME_MAY_GROW = ("train.steps", "tune.epochs")
 
 

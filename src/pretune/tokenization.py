@@ -112,17 +112,23 @@ def _expand_files(files: str | os.PathLike | Iterable[str | os.PathLike]) -> lis
     return out
 
 
-def _read_lines(paths: Sequence[Path]) -> Iterator[str]:
-    """Lines of text files, plain or gzip (by the ``.gz`` suffix), without their newline."""
+def _read_lines(paths: Sequence[Path], errors: str = "strict") -> Iterator[str]:
+    """Lines of UTF-8 text files, plain or gzip (by the ``.gz`` suffix), without their newline; a byte that is not
+    UTF-8 or a NUL byte (a binary file) is an error naming the file, line and offset, as pretraining's reader says."""
+    from .data.readers import DataError, _iter_lines
+
     for path in paths:
-        opener = gzip.open if path.suffix == ".gz" else open
         try:
-            with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    yield line.rstrip("\r\n")
-        except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+            for lineno, line in _iter_lines(path, path.suffix == ".gz", errors):
+                if "\x00" in line:
+                    raise TokenizerError(f"{path}:{lineno}: a NUL byte at column {line.index(chr(0)) + 1}: this looks "
+                                         "like a binary file; expected UTF-8 text")
+                yield line
+        except DataError as e:
+            raise TokenizerError(str(e)) from None
+        except OSError as e:
             what = "gzip text" if path.suffix == ".gz" else "text"
-            raise TokenizerError(f"{path}: cannot read it as {what} ({e})") from e
+            raise TokenizerError(f"{path}: cannot read it as {what} ({e.strerror or e})") from None
 
 
 def _batched_nonblank(lines: Iterable[str], what: str) -> Iterator[list[str]]:
@@ -199,7 +205,8 @@ def _set_post_processor(tk: tokenizers.Tokenizer, specials: str) -> None:
 def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike] | None = None, *, kind: Kind,
                     vocab_size: int, specials: str | None = None, sentinels: int | None = None,
                     extra_specials: Sequence[str] = (), lowercase: bool | None = None, min_frequency: int = 2,
-                    show_progress: bool = True, texts: Iterable[str] | None = None) -> Tokenizer:
+                    show_progress: bool = True, texts: Iterable[str] | None = None,
+                    errors: str = "strict") -> Tokenizer:
     """Train a subword tokenizer on text files (or strings) and return it wrapped with its special-token roles.
 
     Lines are streamed to ``tokenizers``' ``train_from_iterator`` in batches, so gzip files work and
@@ -223,6 +230,8 @@ def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike] | Non
         min_frequency: least count of a merged pair (bpe, wordpiece); the unigram trainer has no such knob.
         show_progress: show tokenizers' progress bars.
         texts: an iterable of strings to train on instead of files (each string may hold several lines).
+        errors: a byte that is not UTF-8: ``"strict"`` stops naming the file, line and offset; ``"replace"`` reads
+            it as U+FFFD.
 
     Returns:
         The trained :class:`Tokenizer`; ``tokenizer.vocab_size <= vocab_size`` (fewer on a small corpus).
@@ -257,7 +266,7 @@ def train_tokenizer(files: str | os.PathLike | Iterable[str | os.PathLike] | Non
         paths = _expand_files(files)
         length = None  # counting the lines of (gzip) files would mean reading them twice
         shown = ", ".join(map(str, paths[:3])) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        batches = _batched_nonblank(_read_lines(paths), shown)
+        batches = _batched_nonblank(_read_lines(paths, errors), shown)
 
     unk = SPECIAL_SETS[specials].get("unk")
     if unk is None and kind != "bpe":  # every set has one today; a future set might not

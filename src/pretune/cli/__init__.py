@@ -434,6 +434,11 @@ def _report(command: str, e: BaseException) -> int:
     from ..train.loop import Interrupted, TrainingDiverged
 
     where = f"pretune {command}"
+    if isinstance(e, BrokenPipeError):  # `pretune ... | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     if isinstance(e, Interrupted):
         print(f"{where}: {e}", file=sys.stderr)
         return e.exit_code

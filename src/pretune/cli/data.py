@@ -17,7 +17,7 @@ def cmd_tokenizer_train(args) -> int:
     lower = None if args.lowercase is None else args.lowercase == "yes"
     tok = train_tokenizer(args.files, kind=args.kind, vocab_size=args.vocab_size, specials=args.specials,
                           sentinels=args.sentinels, extra_specials=args.extra_specials, lowercase=lower,
-                          min_frequency=args.min_frequency, show_progress=not args.quiet)
+                          min_frequency=args.min_frequency, show_progress=not args.quiet, errors=args.errors)
     path = tok.save(args.out)
     roles = {r: getattr(tok, f"{r}_id") for r in ("pad", "unk", "cls", "sep", "mask", "bos", "eos")}
     roles = ", ".join(f"{r}={tok.id_to_token(i)}({i})" for r, i in roles.items() if i is not None)
@@ -125,6 +125,8 @@ def add_data_parsers(sub) -> None:
     t.add_argument("--lowercase", choices=["yes", "no"],
                    help="lowercase text (default: yes for wordpiece, no otherwise)")
     t.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency for a merge (default 2)")
+    t.add_argument("--errors", default="strict", choices=["strict", "replace"],
+                   help="non-UTF-8 bytes: stop with file and byte offset (strict) or replace with U+FFFD")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_tokenizer_train)
     t = tsub.add_parser("encode", help="show how a tokenizer splits text")

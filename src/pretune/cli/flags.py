@@ -44,7 +44,8 @@ FINETUNE_FLAGS = (
     Flag("--train", "data.train", "training records"),
     Flag("--dev", "data.dev", "dev records (default: 10%% of train held out)"),
     Flag("--test", "data.test", "test records, scored at the end"),
-    Flag("--epochs", "tune.epochs", "passes over the training data (default 3; sets train.steps)", type=float),
+    Flag("--epochs", "tune.epochs", "passes over the training data (default 3; sets train.steps; 0: train for train.steps "
+         "instead)", type=float),
     Flag("--from-scratch", "tune.from_scratch", "same architecture, random weights", switch=True),
     Flag("--freeze-body", "tune.freeze_body", "train only the task head", switch=True),
     Flag("--peft", "peft.method", "parameter-efficient: lora, adapter, prefix, prompt, ia3, embeddings, bitfit or a "
@@ -53,8 +54,9 @@ FINETUNE_FLAGS = (
     Flag("--patience", "tune.patience", "early stopping after N evaluations without dev improvement", type=int),
     Flag("--lr", "train.lr", "peak learning rate (default: 5e-5 for full finetuning, each PEFT method its own; "
          "--print-config shows it)", type=float),
-    Flag("--head-lr", "tune.head_lr", "peak learning rate of the task head (default: --lr); with --peft a higher head "
-         "rate keeps a small adapter from settling on the majority class", type=float),
+    Flag("--head-lr", "tune.head_lr", "peak learning rate of the task head (default: --lr for full finetuning; with "
+         "--peft 1e-2, or --lr if higher, which keeps a small adapter from settling on the majority class)",
+         type=float),
     Flag("--batch-size", "train.batch_size", "examples per step (default 32)", type=int),
     Flag("--out", "train.out", "run folder (default runs/finetune)"),
 )

@@ -152,9 +152,14 @@ def cmd_generate(args) -> int:
         check_file(args.out, overwrite=args.overwrite, what="output file")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if sys.stderr.isatty():  # a progress note, like a bar: only on a terminal
+        print(f"loading {args.model} …", file=sys.stderr, flush=True)
     loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
     model, tok = loaded.model, loaded.tokenizer
     layout = layout_of(model.config)
+    if not layout.writes_text:
+        raise ConfigError(f"{args.model} is an {layout.name} model ({model.config.arch}): it reads text but writes "
+                          "none; generate needs a decoder or an encoder-decoder with an LM head")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model.to(device=device, dtype=dtype).eval()

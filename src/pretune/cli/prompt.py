@@ -99,10 +99,11 @@ def add_prompt_parser(sub) -> argparse.ArgumentParser:
                    help="the records' gold label field, also the template's slot name (default label)")
     g.add_argument("--length-norm", choices=["sum", "mean"], default="sum",
                    help="a word's score: total log-probability of its tokens (sum, default) or per token (mean)")
-    g.add_argument("--calibrate", nargs="?", const="N/A", metavar="TEXT",
-                   help="contextual calibration (Zhao et al. 2021): also score the prompt with every field set to a "
-                   "content-free TEXT (default N/A) and divide each label's probability by its content-free one; "
-                   "the uncalibrated scores are reported too")
+    g.add_argument("--calibrate", nargs="?", const="", metavar="TEXTS",
+                   help="contextual calibration (Zhao et al. 2021): also score the prompt with every field set to "
+                   "content-free inputs (default: 'N/A', '' and '[MASK]', averaged; or a '|'-separated list of your "
+                   "own) and divide each label's probability by its content-free one; helps when the raw "
+                   "predictions pile onto one label; the uncalibrated scores are reported too")
     g.add_argument("--strategy", choices=["cache", "rows"], default="cache",
                    help="cache (default): run the shared shots once and reuse their key/value cache, score every "
                    "label from one pass per query; rows: one full prompt+word row per label (slower reference)")
@@ -258,7 +259,7 @@ def cmd_prompt(args) -> int:
         else:
             metrics, rows = evaluate_labels(
                 model, tok, prompt, verbalizer, records, label_field=args.label_field, progress=bar.update,
-                length_norm=args.length_norm, content_free=unescape(args.calibrate), batch_size=args.batch_size,
+                length_norm=args.length_norm, content_free=_content_free(args.calibrate), batch_size=args.batch_size,
                 strategy=args.strategy, **common)
     bar.close()
     _report(args, metrics, len(records), len(shots), verbalizer)
@@ -272,6 +273,16 @@ def cmd_prompt(args) -> int:
     return 0
 
 
+def _content_free(arg: str | None) -> tuple[str, ...] | None:
+    """--calibrate's content-free inputs: none (no --calibrate), Zhao et al.'s three (a bare --calibrate) or the
+    user's '|'-separated texts."""
+    from ..generation.scoring import CONTENT_FREE
+
+    if arg is None:
+        return None
+    return tuple(unescape(t) for t in arg.split("|")) if arg else CONTENT_FREE
+
+
 def _shown_prompt(prompt: FewShotPrompt, rec: Record, chat, system) -> str:
     from ..generation.prompt import apply_chat_template
 
@@ -279,7 +290,7 @@ def _shown_prompt(prompt: FewShotPrompt, rec: Record, chat, system) -> str:
     if chat is not None:
         text = apply_chat_template(chat, ([{"role": "system", "content": system}] if system else [])
                                    + [{"role": "user", "content": text}])
-    return f"--- prompt of {rec.where} ---\n{text}\n--- end of prompt ---"
+    return f"--- prompt of {rec.row} ---\n{text}\n--- end of prompt ---"
 
 
 def _report(args, metrics: dict, n: int, n_shots: int, verbalizer) -> None:
@@ -294,7 +305,8 @@ def _report(args, metrics: dict, n: int, n_shots: int, verbalizer) -> None:
         print("  label words: " + ", ".join(f"{k} -> {v!r}" for k, v in verbalizer.words.items()))
         runs = [("", metrics)]
         if "uncalibrated" in metrics:
-            runs = [(f" (calibrated, content-free {args.calibrate!r})", metrics),
+            shown = ", ".join(repr(t) for t in _content_free(args.calibrate))
+            runs = [(f" (calibrated, content-free {shown})", metrics),
                     (" (uncalibrated)", metrics["uncalibrated"])]
         for what, m in runs:
             print(f"  accuracy {m['accuracy']:.4f}   macro_f1 {m['macro_f1']:.4f}   predicted: "

@@ -159,8 +159,9 @@ def _iter_lines(path: Path, compressed: bool, errors: Errors) -> Iterator[tuple[
                     where = "in the decompressed stream" if compressed else "in the file"
                     raise DataError(
                         f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at byte offset {bad} {where} (column "
-                        f"byte {e.start}) is not valid UTF-8; expected UTF-8 text. Re-encode the file, or pass "
-                        f'errors="replace" to read it with U+FFFD in place of bad bytes') from None
+                        f"byte {e.start}) is not valid UTF-8; expected UTF-8 text. Re-encode the file (e.g. iconv -f "
+                        f"latin1 -t utf-8), or read bad bytes as U+FFFD with errors=replace (--errors replace, "
+                        f"data.errors=replace)") from None
                 offset += len(raw)
                 if lineno == 1 and line.startswith("\ufeff"):
                     line = line[1:]
@@ -232,6 +233,15 @@ def _table_records(path: Path, ext: str, compressed: bool, errors: Errors,
             header = next(reader, None)
         if header is None:
             return
+        sep = dialect["delimiter"]
+        if len(header) == 1:  # one column: is the file separated by something else?
+            other = max((";", "\t", "|", ","), key=header[0].count)
+            if other != sep and header[0].count(other):
+                shown = "tab" if other == "\t" else repr(other)
+                want = "tab-separated (.tsv)" if ext == ".tsv" else "comma-separated (.csv)"
+                hint = " (or name it .tsv)" if other == "\t" else ""
+                raise DataError(f"{path}:{state['line']}: the header {header[0]!r:.80} is one column: the file looks "
+                                f"{shown}-separated; expected {want}. Convert it to commas{hint}, or to JSONL")
         if field is not None and field not in header:
             raise DataError(f"{path}:{state['line']}: no column {field!r}; the header has columns {header} "
                             f"(pick one with field=...)")

@@ -16,10 +16,17 @@ __all__ = ["Record", "read_records", "get_field"]
 
 @dataclass
 class Record:
-    """One labelled row: where it came from (``file:line``) and its raw fields."""
+    """One labelled row: where it came from (``file:line``, the path as given; error messages use it) and its raw
+    fields."""
 
     where: str
     data: dict
+
+    @property
+    def row(self) -> str:
+        """``name:line``, the file's name without its folder (how predictions name their rows)."""
+        path, sep, line = self.where.rpartition(":")
+        return f"{Path(path).name}{sep}{line}" if sep else self.where
 
 
 def read_records(path: str | Path, *, errors: str = "strict") -> list[Record]:
@@ -27,13 +34,16 @@ def read_records(path: str | Path, *, errors: str = "strict") -> list[Record]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    return [Record(f"{path.name}:{n}", rec) for n, rec in iter_records(path, errors=errors)]
+    return [Record(f"{path}:{n}", rec) for n, rec in iter_records(path, errors=errors)]
 
 
 def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, what: str = "", hint: str = "") -> Any:
     """``rec.data[name]`` checked for presence and type; errors name the row and the fields it has (and ``hint``:
     how to point the reader at another field)."""
-    if name not in rec.data or rec.data[name] is None:
+    if name in rec.data and rec.data[name] is None:
+        raise DataError(f"{rec.where}: field {name!r} is null; expected {what or 'a value'} (drop the record or fill "
+                        "it in)")
+    if name not in rec.data:
         have = ", ".join(sorted(map(str, rec.data))) or "none"
         raise DataError(f"{rec.where}: missing field {name!r}{f' ({what})' if what else ''}; the record has: {have}."
                         + (f" {hint}" if hint else ""))

@@ -60,8 +60,21 @@ class Classification(Task):
         if cfg.labels:
             return list(cfg.labels)
         found = set()
+        numbers, words = [], []  # records whose label is a JSON number / a string that is not one
         for rec in records:
-            found.add(_label_str(get_field(rec, cfg.label_field, (str, int, float))))
+            value = get_field(rec, cfg.label_field, (str, int, float))
+            found.add(_label_str(value))
+            if isinstance(value, str):
+                if _label_order(value)[0]:
+                    words.append(value)
+            else:
+                numbers.append((rec, value))
+        if numbers and words:  # 1 among "ham"/"spam" would silently become a third class
+            rec, value = numbers[0]
+            shown = ", ".join(repr(w) for w in sorted(set(words))[:5])
+            raise DataError(f"{rec.where}: label {value!r} is a number, while {len(words)} other records have text "
+                            f"labels ({shown}); {len(numbers)} record(s) have number labels. Use one kind of label "
+                            f"in field {cfg.label_field!r} (or list the classes with task.labels=[...])")
         if len(found) < 2:
             raise DataError(f"the training data has {len(found)} distinct label(s) in field {cfg.label_field!r} "
                             f"({sorted(found)}): classification needs at least 2")

@@ -368,6 +368,23 @@ class Trainer:
         self.position = {k: int(v) for k, v in state["position"].items()}
         return self.step
 
+    def _write_run_config(self, start: int) -> None:
+        """run.yaml: the config the run uses, written once the run has started (a refused or failed resume leaves
+        the old one as it was). A resume with another config (a longer run, other intervals) keeps the earlier
+        file as ``run.until-step-N.yaml``, so the record of the first part stays."""
+        import os
+
+        from ..outputs import mark
+
+        path = self.run_dir / "run.yaml"
+        tmp = self.run_dir / ".run.yaml.tmp"
+        self.run_config.save(tmp)
+        if start and path.is_file() and path.read_bytes() != tmp.read_bytes():
+            kept = self.run_dir / f"run.until-step-{start:08d}.yaml"
+            os.replace(path, kept)
+            mark(self.run_dir, [kept.name])
+        os.replace(tmp, path)
+
     def _after_evaluation(self, metrics: dict) -> bool:
         """Run every callback's ``on_evaluate``; True when one asks to stop."""
         for cb in self.callbacks:
@@ -389,6 +406,8 @@ class Trainer:
                               "with --overwrite")
         if resume and d.is_main:
             log(f"resumed from step {start} ({self.run_dir / 'checkpoints'})")
+        if d.is_main and self.run_config is not None:
+            self._write_run_config(start)
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, enabled=d.is_main,
                                append=resume, resume_step=start)
         bar = tqdm(total=cfg.steps, initial=start, disable=not (d.is_main and self.show_progress),

@@ -4,7 +4,8 @@ Without native bf16 a CPU runs a bf16 matmul through a slow fallback (measured o
 2048x512 by 512x2048 product took 8.7 s in bf16 against 88 ms in fp32), so ``auto`` means:
 
 * CUDA: bf16 when the GPU supports it (``torch.cuda.is_bf16_supported()``), else fp32;
-* CPU: bf16 when it has AMX (``amx_bf16``) or AVX512-BF16 (``avx512_bf16``), else fp32.
+* CPU: bf16 when it has AMX (``amx_bf16``) or AVX512-BF16 (``avx512_bf16``) and torch runs its AVX512 kernels
+  (not limited by ``ATEN_CPU_CAPABILITY=avx2``), else fp32.
 
 ``auto`` never picks fp16. An explicit ``bf16`` on a CPU without native bf16 is kept but warned about once, with
 the slowdown measured on the spot.
@@ -34,6 +35,8 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):  # ATen limited (ATEN_CPU_CAPABILITY=avx2)
+        return False
     flags = _cpu_flags()
     return bool(flags.get("amx_bf16") or flags.get("avx512_bf16"))
 

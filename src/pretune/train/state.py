@@ -21,6 +21,7 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -112,13 +113,17 @@ def _read_trainer(path: Path) -> dict:
     if not file.is_file():
         raise CheckpointError(f"{path} is not a training checkpoint (no trainer.pt)")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a foreign file's pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{file}: refused to unpickle it: it holds more than tensors and plain values "
-                              f"(not written by pretune?): {str(e).splitlines()[0]}") from None
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f" (it holds a {found.group(1)})" if found else ""
+        raise CheckpointError(f"{file}: refused to unpickle it: a trainer state holds only tensors and plain "
+                              f"values{what}; not written by pretune?") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{file}: not readable ({str(e).splitlines()[0]}); the file is truncated or "
-                              "corrupt") from None
+        first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{file}: not readable ({first}); the file is truncated or corrupt") from None
     if not isinstance(state, dict) or not {"step", "optimizer", "scheduler", "position", "rng"} <= set(state):
         what = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{file}: not a pretune trainer state ({what})")

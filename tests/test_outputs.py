@@ -1,0 +1,154 @@
+"""Never lose a user's work: which folders and files pretune may write (pretune.outputs), and how it writes into a
+folder that also holds the user's own files (checkpoint.atomic_folder)."""
+
+import json
+import os
+
+import pytest
+
+import pretune
+from pretune.checkpoint import CheckpointError, atomic_folder
+from pretune.cli import main
+from pretune.outputs import (MARKER, OutputError, check_file, check_folder, clean_run_folder, mark,
+                             owned_entries)
+
+
+def _user_files(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "a.csv").write_text("1,2")
+    return {"notes.txt": "mine", "sub/a.csv": "1,2"}
+
+
+def _unchanged(folder, files):
+    return all((folder / k).read_text() == v for k, v in files.items())
+
+
+def test_check_folder_accepts_new_and_empty_folders(tmp_path):
+    assert check_folder(tmp_path / "new") == tmp_path / "new"
+    (tmp_path / "empty").mkdir()
+    assert check_folder(tmp_path / "empty") == tmp_path / "empty"
+
+
+def test_check_folder_refuses_the_users_files_naming_them(tmp_path):
+    _user_files(tmp_path / "v")
+    with pytest.raises(OutputError, match=r"holds what pretune did not write \(notes.txt, sub\).*--overwrite"):
+        check_folder(tmp_path / "v")
+    assert check_folder(tmp_path / "v", overwrite=True) == tmp_path / "v"  # written beside them
+
+
+def test_check_folder_refuses_an_earlier_output_and_a_run_without_the_flags(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    mark(out, ["config.json"])
+    with pytest.raises(OutputError, match="already holds an earlier pretune output"):
+        check_folder(out)
+    (out / "run.yaml").write_text("train: {}\n")
+    with pytest.raises(OutputError, match=r"already holds a run \(run.yaml\).*--resume.*--overwrite"):
+        check_folder(out)
+    assert check_folder(out, resume=True) == out
+    assert check_folder(out, overwrite=True) == out
+
+
+def test_a_run_folder_with_only_its_token_store_cache_may_start_again(tmp_path):
+    run = tmp_path / "run"
+    (run / "data" / "train").mkdir(parents=True)
+    mark(run, ["data"])
+    assert check_folder(run, what="run") == run  # a run stopped while it tokenized its data
+    with pytest.raises(OutputError):
+        check_folder(run, what="output")
+
+
+def test_files_and_parents_that_are_files(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="is a file; the output must be a folder"):
+        check_folder(tmp_path / "f")
+    with pytest.raises(OutputError, match="its parent .*f is a file"):
+        check_folder(tmp_path / "f" / "out")
+    with pytest.raises(OutputError, match="its parent .*f is a file"):
+        check_file(tmp_path / "f" / "p.jsonl")
+    with pytest.raises(OutputError, match="already exists; pass --overwrite"):
+        check_file(tmp_path / "f")
+    assert check_file(tmp_path / "f", overwrite=True) == tmp_path / "f"
+    with pytest.raises(OutputError, match="is a folder; the output must be a file path"):
+        check_file(tmp_path)
+
+
+def test_atomic_folder_replaces_its_own_output_and_keeps_the_users(tmp_path):
+    out = tmp_path / "out"
+    files = _user_files(out)
+    with atomic_folder(out) as tmp:
+        (tmp / "a.json").write_text("1")
+        (tmp / "stale.bin").write_text("old")
+    assert owned_entries(out) == {"a.json", "stale.bin"} and _unchanged(out, files)
+    with atomic_folder(out) as tmp:  # the next write: a.json replaced, stale.bin (pretune's, not written now) gone
+        (tmp / "a.json").write_text("2")
+    assert (out / "a.json").read_text() == "2" and not (out / "stale.bin").exists()
+    assert owned_entries(out) == {"a.json"} and _unchanged(out, files)
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_atomic_folder_never_replaces_a_user_file_of_the_same_name(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("the user's")
+    with pytest.raises(CheckpointError, match="holds config.json, which pretune did not write"):
+        with atomic_folder(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+    assert (out / "config.json").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temp folder left
+
+
+def test_atomic_folder_on_the_current_folder(tmp_path, monkeypatch):
+    files = _user_files(tmp_path / "here")
+    monkeypatch.chdir(tmp_path / "here")
+    with atomic_folder(".") as tmp:
+        (tmp / "x.json").write_text("{}")
+    assert (tmp_path / "here" / "x.json").is_file() and _unchanged(tmp_path / "here", files)
+    assert sorted(os.listdir(tmp_path)) == ["here"]
+    assert sorted(os.listdir(tmp_path / "here")) == [MARKER, "notes.txt", "sub", "x.json"]
+
+
+def test_a_failed_write_leaves_the_folder_as_it_was(tmp_path):
+    out = tmp_path / "out"
+    with atomic_folder(out) as tmp:
+        (tmp / "a.json").write_text("1")
+    with pytest.raises(RuntimeError):
+        with atomic_folder(out) as tmp:
+            (tmp / "a.json").write_text("2")
+            raise RuntimeError("killed")
+    assert (out / "a.json").read_text() == "1" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_clean_run_folder_removes_what_the_run_wrote_only(tmp_path):
+    run = tmp_path / "run"
+    files = _user_files(run)
+    for name in ("run.yaml", "metrics.jsonl", "results.json"):
+        (run / name).write_text("x")
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "data").mkdir()
+    (run / "extra.yaml").write_text("x")
+    mark(run, ["extra.yaml"])
+    removed = clean_run_folder(run)
+    assert set(removed) == {"run.yaml", "metrics.jsonl", "results.json", "checkpoints", "extra.yaml", MARKER}
+    assert (run / "data").is_dir() and _unchanged(run, files)  # the token-store cache stays for the next run
+
+
+def test_convert_overwrite_writes_beside_the_users_files_and_replaces_its_own(tmp_path, capsys):
+    pretune.save(pretune.build_model("tiny-bert-base"), tmp_path / "ours")
+    victim = tmp_path / "victim"
+    files = _user_files(victim)
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(victim)]) == 2
+    assert "notes.txt" in capsys.readouterr().err and _unchanged(victim, files)
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(victim), "--overwrite"]) == 0
+    assert (victim / "config.json").is_file() and _unchanged(victim, files)
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(victim)]) == 2  # still the user's
+    assert "notes.txt" in capsys.readouterr().err
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(tmp_path / "hf")]) == 2  # its own: ask
+    assert "already holds an earlier pretune output" in capsys.readouterr().err
+    assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(victim), "--overwrite"]) == 0
+    assert json.loads((victim / MARKER).read_text())["entries"] == sorted(owned_entries(victim))
+    assert _unchanged(victim, files)
