@@ -41,7 +41,7 @@ def evaluate_labels(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, r
         metrics["uncalibrated"] = {**compute(["accuracy", "macro_f1"], raw, gold), "predicted": dict(Counter(raw))}
     rows = []
     for i, (r, g, p, n) in enumerate(zip(records, gold, preds, res.n_shots)):
-        row = {"row": r.where, "label": g, "prediction": p, "correct": p == g, "n_shots": n,
+        row = {"row": r.row, "label": g, "prediction": p, "correct": p == g, "n_shots": n,
                "scores": dict(zip(res.labels, res.scores[i].tolist()))}
         if res.baseline is not None:
             row["calibrated"] = dict(zip(res.labels, res.calibrated[i].tolist()))
@@ -63,7 +63,7 @@ def evaluate_cot(model, tok, prompt: FewShotPrompt, records: Sequence[Record], *
     rows = []
     for r, g, o in zip(records, gold, outcomes):
         v = o.result.vote
-        rows.append({"row": r.where, "answer": g, "prediction": v.answer, "correct": v.answer == g,
+        rows.append({"row": r.row, "answer": g, "prediction": v.answer, "correct": v.answer == g,
                      "votes": v.counts, "agreement": v.agreement, "unanswered": v.n_unanswered, "n_shots": o.n_shots,
                      "answers": o.result.answers, "paths": o.result.paths})
     n = len(rows)

@@ -180,18 +180,35 @@ def test_label_scores_equal_direct_log_likelihood(tok, preset, strategy):
     assert res.predictions == [v.labels[k] for k in res.scores.argmax(1).tolist()]
 
 
-def test_contextual_calibration_subtracts_the_content_free_scores(tok):
+def test_contextual_calibration_divides_by_the_content_free_probabilities(tok):
     model = _model("tiny-llama", tok)
     v = Verbalizer.parse("ham=not spam at all,spam=yes")
     p = FewShotPrompt(PromptTemplate(TEMPLATE), shots=POOL[:2], targets=["yes", "not spam at all"])
     res = classify(model, tok, p, v, TEST, content_free="N/A")
     free = classify(model, tok, p, v, [Record("cf", {"text": "N/A"})]).scores  # the same prompt around "N/A"
-    want = F.log_softmax(res.scores, -1) - F.log_softmax(free, -1)
+    p_x, p_cf = F.softmax(res.scores, -1), F.softmax(free, -1)  # both renormalised over the label set
+    want = torch.log((p_x / p_cf) / (p_x / p_cf).sum(-1, keepdim=True))  # W = diag(p_cf)^-1, b = 0, renormalised
     torch.testing.assert_close(res.calibrated, want)
     assert res.predictions == [v.labels[i] for i in want.argmax(1).tolist()]
     assert res.raw_predictions == classify(model, tok, p, v, TEST).predictions
     with pytest.raises(PromptError, match="no content-free baseline"):
         _ = classify(model, tok, p, v, TEST).calibrated
+
+
+def test_calibration_averages_the_probabilities_of_zhao_et_als_three_content_free_inputs(tok):
+    from pretune.generation.scoring import CONTENT_FREE
+
+    assert CONTENT_FREE == ("N/A", "", "[MASK]")
+    model = _model("tiny-llama", tok)
+    v = Verbalizer.parse("ham=no,spam=yes")
+    p = FewShotPrompt(PromptTemplate(TEMPLATE), shots=POOL[:2], targets=["yes", "no"])
+    res = classify(model, tok, p, v, TEST, content_free=CONTENT_FREE)
+    each = [F.softmax(classify(model, tok, p, v, [Record("cf", {"text": t})]).scores[0], -1) for t in CONTENT_FREE]
+    p_cf = torch.stack(each).mean(0)  # the mean of the three label distributions, not of their logs
+    p_x = F.softmax(res.scores, -1)
+    want = (p_x / p_cf) / (p_x / p_cf).sum(-1, keepdim=True)
+    torch.testing.assert_close(res.calibrated.exp(), want)
+    assert not torch.allclose(res.baseline[0], torch.log(each[0]))  # really more than "N/A"
 
 
 def test_encoder_decoder_scores_the_word_as_decoder_target(tok):
@@ -412,7 +429,7 @@ def test_cli_label_words_smoke(cli_files, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["label"] for r in rows] == ["spam", "ham", "ham"] and all(r["n_shots"] == 2 for r in rows)
     assert set(rows[0]["scores"]) == set(rows[0]["calibrated"]) == {"ham", "spam"}
-    assert "(calibrated, content-free 'N/A')" in text and "(uncalibrated)" in text
+    assert "(calibrated, content-free 'N/A', '', '[MASK]')" in text and "(uncalibrated)" in text
     metrics = json.loads((d / "m.json").read_text())["metrics"]
     assert metrics["accuracy"] == sum(r["correct"] for r in rows) / 3
     from sklearn.metrics import roc_auc_score

@@ -325,6 +325,9 @@ class _Assembler:
 
 
 # -------------------------------------------------------------------------------------- classification
+CONTENT_FREE = ("N/A", "", "[MASK]")  # Zhao et al. 2021's content-free inputs, averaged
+
+
 @dataclass
 class ClassifyResult:
     """Label-word scores and predictions for a list of records."""
@@ -332,15 +335,19 @@ class ClassifyResult:
     labels: list[str]  # the verbalizer's labels, the column order of ``scores``
     scores: torch.Tensor  # (N, L) float64 log-likelihoods (summed or per-token mean)
     n_shots: list[int]  # shots each prompt kept (fewer than asked when dropped to fit the window)
-    baseline: torch.Tensor | None = None  # (N, L) log p(label) for the content-free input, normalised over labels
+    baseline: torch.Tensor | None = None  # (N, L) log p_cf(label): content-free label probabilities (see below)
 
     @property
     def calibrated(self) -> torch.Tensor:
-        """(N, L) log p(label | x) - log p(label | content-free), both normalised over the label set: contextual
-        calibration (Zhao et al. 2021), which removes the prompt's bias towards some label words."""
+        """(N, L) contextual calibration (Zhao et al. 2021), as log-probabilities over the label set: each label's
+        probability given x (normalised over the labels) divided by its content-free probability ``p_cf`` (the
+        mean, over the content-free inputs, of their label probabilities, each normalised over the labels), then
+        renormalised: ``softmax(log p(.|x) - log p_cf)``. Dividing by p_cf (W = diag(p_cf)^-1, b = 0) removes the
+        prompt's own preference for some label words (majority-label, recency and common-token bias)."""
         if self.baseline is None:
-            raise PromptError("no content-free baseline: classify with content_free='N/A' to calibrate")
-        return F.log_softmax(self.scores, dim=-1) - self.baseline
+            raise PromptError("no content-free baseline: classify with content_free=('N/A', '', '[MASK]') to "
+                              "calibrate")
+        return F.log_softmax(F.log_softmax(self.scores, dim=-1) - self.baseline, dim=-1)
 
     @property
     def predictions(self) -> list[str]:
@@ -356,7 +363,7 @@ class ClassifyResult:
 
 def classify(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, records: Sequence[Record], *,
              chat: ChatTemplate | None = None, system: str | None = None, length_norm: LengthNorm = "sum",
-             content_free: str | None = None, batch_size: int = 8, strategy: Strategy = "cache",
+             content_free: str | Sequence[str] | None = None, batch_size: int = 8, strategy: Strategy = "cache",
              max_len: int | None = None, fit: Fit = "error", add_bos: bool | None = None,
              progress: Callable[[int], None] | None = None) -> ClassifyResult:
     """Classify records by comparing label-word likelihoods under a prompt (no training).
@@ -370,8 +377,9 @@ def classify(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, records:
         system: a system message for ``chat``.
         length_norm: "sum" (total log-probability of the word's tokens) or "mean" (per token, which stops
             long words from losing just for being long).
-        content_free: when given (e.g. ``"N/A"``), also score the prompt with every field set to this text and
-            predict with the calibrated scores (``ClassifyResult.calibrated``; Zhao et al. 2021).
+        content_free: content-free input text(s) (``CONTENT_FREE``: "N/A", "" and "[MASK]", as Zhao et al. 2021):
+            also score the prompt (same shots) with every field set to each of them, average their label
+            probabilities into ``p_cf`` and predict with the calibrated scores (``ClassifyResult.calibrated``).
         batch_size, strategy: see :func:`score_continuations`.
         max_len: a context window smaller than the model's; fit: "error" when a prompt does not fit, or
             "drop_shots": drop the earliest shots of that prompt until it fits (``n_shots`` says how many stayed).
@@ -408,16 +416,23 @@ def classify(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, records:
     asm = _Assembler(model, tok, prompt, chat=chat, system=system, add_bos=add_bos, max_len=max_len, fit=fit)
     groups, used = asm.groups(records, [max(map(len, c)) for c in conts])
     scores = torch.zeros(len(records), len(words), dtype=torch.float64)
-    baseline = None if content_free is None else torch.zeros_like(scores)
-    free = Record("content-free input", {f: content_free for f in prompt.template.fields})
+    free_texts = [content_free] if isinstance(content_free, str) else list(content_free or [])
+    if content_free is not None and not free_texts:
+        raise PromptError("content_free is empty: give at least one content-free text (e.g. 'N/A')")
+    baseline = None if not free_texts else torch.zeros_like(scores)
+    frees = [Record(f"content-free input {t!r}", {f: t for f in prompt.template.fields}) for t in free_texts]
     was_training = model.training
     model.eval()
     try:
         for g in groups:
             scores[g.members] = score(g.prefix, g.queries, [conts[i] for i in g.members], progress)
-            if baseline is not None:  # the same prompt (same shots) around a content-free input
-                q = asm.encoder_input(free, g.n_shots) if layout.encoder_decoder else asm.query(free, g.n_shots)
-                baseline[g.members] = F.log_softmax(score(g.prefix, [q], [continuations(free)])[0], dim=-1)
+            if baseline is not None:  # the same prompt (same shots) around each content-free input
+                probs = []
+                for free in frees:
+                    q = asm.encoder_input(free, g.n_shots) if layout.encoder_decoder else asm.query(free, g.n_shots)
+                    probs.append(F.softmax(score(g.prefix, [q], [continuations(free)])[0], dim=-1))
+                p_cf = torch.stack(probs).mean(0)
+                baseline[g.members] = torch.log(p_cf / p_cf.sum())
     finally:
         model.train(was_training)
     return ClassifyResult(verbalizer.labels, scores, used, baseline)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..checkpoint import CheckpointError, atomic_folder, load_state, read_weights, unique_state
-from ..config import ModelConfig
+from ..config import TASK_HEADS, ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "spiece.model")
@@ -164,7 +164,8 @@ def task_mismatch(cfg: ModelConfig, archs: dict[str, str | None], pooling: str |
             how = {"pooler": "the BERT pooler output (pooler=True, pooling='pooler')",
                    "cls": "dense + tanh on the first token (pooling='cls')",
                    "last": "the last real token (pooling='last')"}[pooling]
-            return f"{arch} classifies {how}, got pooling={cfg.sentence_pooling!r}"
+            return (f"{arch} classifies {how}, got pooling={cfg.sentence_pooling!r} (a model finetuned with "
+                    f"task.pooling={pooling} exports)")
         if cfg.head == "classification" and cfg.num_labels < 2 and not cfg.multi_label:
             return f"{arch} reads num_labels=1 as regression; use head='regression'"
     return None
@@ -233,10 +234,28 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     raise InteropError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
+def sentence_pooling(path: str | os.PathLike) -> str | None:
+    """The pooling a sentence-transformers folder (``modules.json`` with a Pooling module) was trained with:
+    "mean" for mean pooling over tokens (all-MiniLM-L6-v2 and most such models), "cls" for the first token;
+    None when the folder records none (or another mode). Unreadable files count as none."""
+    path = Path(path)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+        folder = next(m.get("path", "") for m in modules if str(m.get("type", "")).endswith("models.Pooling"))
+        mode = json.loads((path / folder / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return None
+    if mode.get("pooling_mode_mean_tokens"):
+        return "mean"
+    return "cls" if mode.get("pooling_mode_cls_token") else None
+
+
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama), with
     its task head when ``architectures`` names one (*ForSequenceClassification, *ForTokenClassification,
-    *ForQuestionAnswering of BERT, RoBERTa, GPT-2 and Llama; labels come from ``id2label``).
+    *ForQuestionAnswering of BERT, RoBERTa, GPT-2 and Llama; labels come from ``id2label``). A base model that is
+    a sentence-transformers model trained with mean pooling (``modules.json``) gets ``pooling="mean"``, so a
+    classification head added to it reads the sentence vector it was trained to make (not the BERT pooler).
 
     Args:
         path: folder with config.json and model.safetensors (or a sharded index, or pytorch_model.bin).
@@ -260,6 +279,8 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
         ours = fam.weights_from_hf(tensors, config)
     except InteropError as e:
         raise InteropError(f"{path}: {e}") from None
+    if config.head not in TASK_HEADS and config.pooling is None and sentence_pooling(path) == "mean":
+        config = config.replace(pooling="mean")  # a task head added later reads what the checkpoint was trained on
     model = TransformerLM(config)
     load_state(model, ours, source=f"{path} (converted from {model_type})")
     if dtype is not None:

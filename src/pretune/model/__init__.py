@@ -136,7 +136,8 @@ class TransformerLM(nn.Module):
         same = cfg.head == head and (head not in TASK_HEADS or same_labels)
         if same and (fields.get("pooling") is None or cfg.sentence_pooling == fields.get("pooling")):
             return self
-        new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None, "pooling": None, **fields}))
+        # the body's recorded sentence pooling (e.g. a sentence-transformers model's "mean") stays unless given
+        new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None, **fields}))
         new.transformer.load_state_dict(self.transformer.state_dict())
         if self.pooler is not None and new.pooler is not None:
             new.pooler.load_state_dict(self.pooler.state_dict())

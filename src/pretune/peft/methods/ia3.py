@@ -11,7 +11,8 @@ NAME = "ia3"
 HELP = "learned vectors rescaling keys, values and the FFN inner activation (Liu et al. 2022, T-Few)"
 PARTS = ("ia3",)
 MERGEABLE = True  # folds into the rows / columns of W
-DEFAULT_LR = 3e-3  # peak learning rate when train.lr is not set (T-Few (Liu et al. 2022))
+DEFAULT_LR = 1e-2  # when train.lr is not set (T-Few's 3e-3 (Liu et al. 2022) is for 1000 steps; in 3 epochs of a
+# small set it moves too little: BENCHMARKS.md, PEFT vs full)
 DEFAULT_TARGETS = ["k_proj", "v_proj", "down_proj"]
 INPUT_SIDE = ("down_proj",)  # these layers get the vector on their input (the FFN inner activation)
 
