@@ -48,6 +48,8 @@ def describe_device(device: torch.device | str = "cpu") -> str:
         return f"CUDA {torch.cuda.get_device_name(device)}" + (" (bf16)" if native_bf16(device) else " (no bf16)")
     flags = _cpu_flags()
     how = "AMX bf16" if flags.get("amx_bf16") else "AVX512-BF16" if flags.get("avx512_bf16") else "no native bf16"
+    if how != "no native bf16" and not native_bf16("cpu"):
+        how = f"{how} unused: torch limited to {torch.backends.cpu.get_cpu_capability()}"
     name = flags.get("cpu_name") or "CPU"
     return f"CPU {name} ({torch.backends.cpu.get_cpu_capability()}, {how})"
 
