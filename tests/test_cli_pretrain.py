@@ -243,3 +243,28 @@ def test_resume_for_more_steps_keeps_the_record_of_the_first_part(run, tmp_path,
     (out / "notes.txt").write_text("mine")
     assert _pretrain(tok, [corpus], out, "--overwrite") == 0
     assert not (out / "run.until-step-00000006.yaml").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_message_and_keeps_the_earlier_checkpoint(small_corpus,
+                                                                                          tokenizers_by_kind,
+                                                                                          tmp_path, capsys,
+                                                                                          monkeypatch):
+    import errno
+
+    import torch
+
+    save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == 6:
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "run"
+    err = _error(capsys, _pretrain(tokenizers_by_kind["wordpiece"], [small_corpus], out))
+    assert "no space left on the device" in err and "trainer.pt" in err and "--resume" in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]  # no temp folder, step 3 intact
+    monkeypatch.setattr(torch, "save", save)
+    assert _pretrain(tokenizers_by_kind["wordpiece"], [small_corpus], out, "--resume") == 0
+    assert "resumed from step 3" in capsys.readouterr().out

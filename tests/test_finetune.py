@@ -270,3 +270,14 @@ def test_cli_print_config(capsys):
     assert main(["finetune", "--print-config", "--task", "pair", "tune.epochs=2"]) == 0
     out = capsys.readouterr().out
     assert "name: pair" in out and "epochs: 2" in out and "text_a_field: text_a" in out
+
+
+def test_epochs_zero_trains_for_train_steps_and_says_so(tokenizers_by_kind, cls_data, tmp_path):
+    said = []
+    res = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run", "tune.epochs=0", "train.steps=4"),
+                   show_progress=False, log=said.append)
+    assert res.steps == 4
+    head = next(line for line in said if line.startswith("pretune finetune:"))
+    assert "4 steps of 16 (train.steps, as tune.epochs=0)" in head and "(0 epochs)" not in head
+    assert any(line.startswith("precision: ") for line in said)
+    assert said[-1].startswith("model -> ") and "the run folder holds" in said[-1] and " MB" in said[-1]
