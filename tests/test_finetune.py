@@ -281,3 +281,19 @@ def test_epochs_zero_trains_for_train_steps_and_says_so(tokenizers_by_kind, cls_
     assert "4 steps of 16 (train.steps, as tune.epochs=0)" in head and "(0 epochs)" not in head
     assert any(line.startswith("precision: ") for line in said)
     assert said[-1].startswith("model -> ") and "the run folder holds" in said[-1] and " MB" in said[-1]
+
+
+def test_predictions_carry_the_gold_label_and_scores_on_request(tokenizers_by_kind, cls_data, tmp_path):
+    res = finetune(_cfg(tokenizers_by_kind, cls_data, tmp_path / "run"), show_progress=False, log=lambda *a: None)
+    rows = [json.loads(x) for x in (res.run_dir / "test_predictions.jsonl").read_text().splitlines()]
+    gold = [json.loads(x)["label"] for x in cls_data["test"].read_text().splitlines()]
+    assert [r["gold"] for r in rows] == gold and "scores" not in rows[0]
+    assert sum(r["gold"] == r["prediction"] for r in rows) / len(rows) == pytest.approx(res.test["accuracy"])
+    unlabelled = tmp_path / "new.jsonl"
+    unlabelled.write_text(json.dumps({"text": "A short one."}) + "\n" + json.dumps({"text": "Another."}) + "\n")
+    assert predict(res.model_dir, unlabelled, tmp_path / "p.jsonl", show_progress=False, scores=True) == 2
+    lines = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert "gold" not in lines[0] and set(lines[0]["scores"]) == {"long", "short"}
+    assert sum(lines[0]["scores"].values()) == pytest.approx(1.0, abs=1e-5)
+    assert lines[0]["prediction"] == max(lines[0]["scores"], key=lines[0]["scores"].get)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.jsonl", "p.jsonl", "run"]  # no temp file left

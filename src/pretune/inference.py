@@ -184,14 +184,17 @@ def write_predictions(task, records: list[Record], preds: list, out: Path, score
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i, (rec, pred) in enumerate(zip(records, preds)):
-            line = {"row": rec.row, **task.prediction_json(rec, pred)}
-            try:
-                line["gold"] = task.reference(rec)
-            except (DataError, KeyError, ValueError):
-                pass  # an unlabelled record
-            if scores is not None and scores[i] is not None:
-                line["scores"] = scores[i]
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for i, (rec, pred) in enumerate(zip(records, preds)):
+                line = {"row": rec.row, **task.prediction_json(rec, pred)}
+                try:
+                    line["gold"] = task.reference(rec)
+                except (DataError, KeyError, ValueError):
+                    pass  # an unlabelled record
+                if scores is not None and scores[i] is not None:
+                    line["scores"] = scores[i]
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
