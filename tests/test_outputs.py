@@ -129,11 +129,80 @@ def test_clean_run_folder_removes_what_the_run_wrote_only(tmp_path):
         (run / name).write_text("x")
     (run / "checkpoints" / "step-00000001").mkdir(parents=True)
     (run / "data").mkdir()
-    (run / "extra.yaml").write_text("x")
-    mark(run, ["extra.yaml"])
+    (run / "loss.png").write_text("the user's own plot, named like a run's")
+    mark(run, ["run.yaml", "metrics.jsonl", "results.json", "checkpoints", "data"])
     removed = clean_run_folder(run)
-    assert set(removed) == {"run.yaml", "metrics.jsonl", "results.json", "checkpoints", "extra.yaml", MARKER}
+    assert set(removed) == {"run.yaml", "metrics.jsonl", "results.json", "checkpoints"}
     assert (run / "data").is_dir() and _unchanged(run, files)  # the token-store cache stays for the next run
+    assert (run / "loss.png").read_text().startswith("the user's")  # not in the marker: not pretune's
+    assert owned_entries(run) == {"data"}
+
+
+def test_a_run_folder_from_before_markers_is_still_recognised(tmp_path):
+    run = tmp_path / "old-run"
+    files = _user_files(run)
+    for name in ("run.yaml", "metrics.jsonl"):
+        (run / name).write_text("x")
+    (run / "checkpoints").mkdir()
+    assert set(clean_run_folder(run)) == {"run.yaml", "metrics.jsonl", "checkpoints"} and _unchanged(run, files)
+
+
+def test_overwrite_refuses_to_write_over_a_users_entry_named_like_a_runs(tmp_path):
+    from pretune.outputs import prepare_run_folder
+
+    run = tmp_path / "proj"
+    files = _user_files(run)
+    (run / "model").mkdir()
+    (run / "model" / "weights.bin").write_text("the user's model")
+    (run / "results.json").write_text("{}")
+    with pytest.raises(OutputError, match=r"holds model, results.json, which pretune did not write"):
+        prepare_run_folder(run, {}, resume=False, overwrite=True, log=lambda *a: None)
+    assert (run / "model" / "weights.bin").read_text() == "the user's model" and _unchanged(run, files)
+    assert not (run / MARKER).exists() or "model" not in owned_entries(run)
+    (run / "model" / "weights.bin").unlink()
+    (run / "model").rmdir()
+    (run / "results.json").unlink()
+    (run / "data").mkdir()  # a user's data folder where pretraining would put its token store
+    with pytest.raises(OutputError, match="holds data, which pretune did not write"):
+        prepare_run_folder(run, {}, resume=False, overwrite=True, log=lambda *a: None, writes=("data",))
+    assert prepare_run_folder(run, {}, resume=False, overwrite=True, log=lambda *a: None) == run  # no store: fine
+    assert "data" not in owned_entries(run) and _unchanged(run, files)
+
+
+def test_atomic_folder_never_moves_an_existing_folder(tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    with atomic_folder(real) as tmp:
+        (tmp / "a.json").write_text("1")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    inode = real.stat().st_ino
+    with atomic_folder(link) as tmp:  # a symlink to pretune's own output: written through, still a symlink
+        (tmp / "a.json").write_text("2")
+    assert link.is_symlink() and (real / "a.json").read_text() == "2" and real.stat().st_ino == inode
+    monkeypatch.chdir(real)
+    with atomic_folder(".") as tmp:  # the current folder, holding only pretune's output: stays where it is
+        (tmp / "b.json").write_text("3")
+    assert os.getcwd() == str(real) and real.stat().st_ino == inode and sorted(os.listdir(real)) == [MARKER, "b.json"]
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
+def test_files_written_beside_a_saved_model_are_recorded(tmp_path):
+    from pretune.inference import save_task
+    from pretune.tasks.base import TaskConfig
+
+    pretune.save(pretune.build_model("tiny-bert-base"), tmp_path / "m")
+    save_task(tmp_path / "m", TaskConfig(name="classification"))
+    assert owned_entries(tmp_path / "m") == {"config.json", "model.safetensors", "task.json"}
+
+
+def test_the_quickstart_refuses_a_users_entry_among_its_names(tmp_path, capsys):
+    out = tmp_path / "qs"
+    files = _user_files(out)
+    (out / "data").mkdir()
+    (out / "data" / "train.jsonl").write_text("the user's")
+    assert main(["quickstart", "--out", str(out), "--fast", "--quiet", "--overwrite"]) == 2
+    assert "holds data, which pretune did not write" in capsys.readouterr().err
+    assert (out / "data" / "train.jsonl").read_text() == "the user's" and _unchanged(out, files)
 
 
 def test_convert_overwrite_writes_beside_the_users_files_and_replaces_its_own(tmp_path, capsys):
@@ -152,3 +221,15 @@ def test_convert_overwrite_writes_beside_the_users_files_and_replaces_its_own(tm
     assert main(["convert", "--to-hf", str(tmp_path / "ours"), "--out", str(victim), "--overwrite"]) == 0
     assert json.loads((victim / MARKER).read_text())["entries"] == sorted(owned_entries(victim))
     assert _unchanged(victim, files)
+
+
+def test_written_files_get_the_users_permissions_not_0600(tmp_path):
+    from pretune.train.logging import plot_losses  # noqa: F401 - one of the mkstemp writers
+
+    umask = os.umask(0o022)
+    try:
+        pretune.save(pretune.build_model("tiny-bert-base"), tmp_path / "m")  # safetensors writes 0600 files
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    finally:
+        os.umask(umask)
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644

@@ -66,9 +66,10 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], *, source: st
 def atomic_folder(path: str | os.PathLike):
     """Context manager: yields a temporary folder beside ``path`` that becomes ``path`` on success and is removed
     on failure, so a crash never leaves a half-written folder. The folder gets a marker (``.pretune.json``, see
-    ``pretune.outputs``) listing what pretune wrote. An existing ``path`` that holds only pretune's earlier output is
-    replaced whole (atomically); one that also holds entries pretune did not write keeps them: only pretune's own
-    entries are replaced or removed, one by one (commands refuse such a folder unless the user says --overwrite)."""
+    ``pretune.outputs``) listing what pretune wrote; its files are flushed to disk before the rename. A new ``path``
+    appears whole in one rename; an existing one stays in place (it may be the current folder or a symlink, and
+    may hold the user's files, which commands refuse unless --overwrite): each of pretune's entries is replaced
+    atomically, stale entries of its earlier output are removed, nothing else is touched."""
     return _AtomicFolder(Path(path))
 
 
@@ -90,7 +91,7 @@ class _AtomicFolder:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        from .outputs import MARKER, mark, owned_entries
+        from .outputs import MARKER, mark, run_entries
 
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -98,30 +99,28 @@ class _AtomicFolder:
         try:
             entries = sorted(p.name for p in self.tmp.iterdir() if p.name != MARKER)
             mark(self.tmp, entries)
-            existing = set(os.listdir(self.path)) if self.path.is_dir() else set()
-            foreign = existing - owned_entries(self.path) - {MARKER}
+            _fsync_tree(self.tmp)
+            exists = self.path.is_dir()
+            owned = run_entries(self.path) if exists else set()
+            clash = sorted(set(entries) & (set(os.listdir(self.path)) - owned - {MARKER})) if exists else []
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
-        if not foreign:  # nothing but pretune's own earlier output (or nothing): replace the folder whole
-            old = None
-            if self.path.exists():
-                old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
-                os.replace(self.path, old)
+        if not exists:  # a new folder: one rename puts it in place whole
             os.replace(self.tmp, self.path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            _fsync_dir(self.path.parent)
             return
-        clash = sorted(set(entries) & foreign)
         if clash:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise CheckpointError(f"{self.path} holds {', '.join(clash)}, which pretune did not write and would have "
                                   "to replace; move it away or choose another folder")
-        for name in sorted(owned_entries(self.path) - set(entries) - {MARKER}):  # stale entries of the earlier output
+        # an existing folder (the current one, a symlink, one holding the user's files) stays where it is: each of
+        # pretune's entries is replaced atomically, stale ones of its earlier output go, anything else stays
+        for name in sorted(owned - set(entries) - {MARKER}):
             _remove(self.path / name)
-        for name in entries:  # pretune's entries, each replaced atomically; the user's stay
+        for name in entries:
             target = self.path / name
-            if target.exists():
+            if target.exists() or target.is_symlink():
                 aside = self.path / f".{name}.old-{os.getpid()}"
                 os.replace(target, aside)
                 os.replace(self.tmp / name, target)
@@ -129,7 +128,60 @@ class _AtomicFolder:
             else:
                 os.replace(self.tmp / name, target)
         mark(self.path, entries, merge=False)
+        _fsync_dir(self.path)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def disk_full(e: BaseException, where: str | os.PathLike) -> OSError | None:
+    """``e`` as an ENOSPC OSError when it means the disk under ``where`` is full, else None. torch's checkpoint
+    writer reports a full disk as a RuntimeError ("PytorchStreamWriter failed writing file") and safetensors as
+    its own error ("No space left on device (os error 28)"), so the message and the free space are both asked."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return e
+    text = str(e)
+    said = any(m in text for m in ("No space left", "os error 28", "StorageFull", "ENOSPC"))
+    writing = "failed writing" in text or "file write failed" in text
+    if not said and writing:
+        try:
+            probe = Path(where)
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            said = shutil.disk_usage(probe).free < 64 * 2**20
+        except OSError:
+            said = False
+    return OSError(errno.ENOSPC, "No space left on device", str(where)) if said else None
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` (and the folders) to disk before the rename that publishes them, so a power
+    loss cannot leave a published checkpoint with empty files; give each file the permissions the user's umask
+    asks for (safetensors and temp files are created 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fchmod(fd, 0o666 & ~umask)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:

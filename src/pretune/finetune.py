@@ -500,6 +500,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
            log=print) -> FinetuneResult:
     """After training: save the (best) model or adapter, score dev and test, write results.json, predictions
     and the loss plot."""
+    from .outputs import mark
     from .train.callbacks import EvalHistory, KeepBest
 
     cfg, model, task, tr = job.cfg, job.model, job.task, job.cfg.train
@@ -511,6 +512,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     model_dir = run_dir / "model"
     extra = job.method.save(model, job.tokenizer, model_dir, cfg, log)
     cfg.save(model_dir / "run.yaml")
+    mark(model_dir, ["run.yaml"])
     if history and not cfg.tune.keep_best:
         dev_final = history[-1][1]
     else:
@@ -530,8 +532,6 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
         from .train.logging import plot_losses
 
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"finetune {task.name}")
-    from .outputs import mark
-
     mark(run_dir, ["model", "results.json", "test_predictions.jsonl", "loss.png"])
     log(format_scores("dev", dev_final) + ("\n" + format_scores("test", test_metrics) if test_metrics else ""))
     log(f"model -> {model_dir}  ({steps} steps, {seconds:.1f}s); the run folder holds {_size(run_dir) / 1e6:.1f} MB")

@@ -25,7 +25,11 @@ __all__ = ["evaluate", "predict", "load_finetuned", "load_task_config", "save_ta
 
 
 def save_task(path: Path, task_cfg: TaskConfig) -> None:
+    """task.json beside a saved model (recorded in the folder's marker: a later --overwrite replaces it)."""
+    from .outputs import mark
+
     (path / TASK_FILE).write_text(json.dumps(dataclasses.asdict(task_cfg), indent=2) + "\n")
+    mark(path, [TASK_FILE])
 
 
 def load_task_config(model_dir: str | Path, overrides: dict | None = None) -> TaskConfig:

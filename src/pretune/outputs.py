@@ -24,8 +24,8 @@ from pathlib import Path
 from .config import ConfigError
 
 MARKER = ".pretune.json"
-__all__ = ["MARKER", "OutputError", "check_folder", "check_file", "owned_entries", "mark", "clean_run_folder",
-           "RUN_ENTRIES"]
+__all__ = ["MARKER", "OutputError", "check_folder", "check_file", "owned_entries", "run_entries", "mark", "claim",
+           "clean_run_folder", "prepare_run_folder", "RUN_ENTRIES"]
 
 # what a pretraining or finetuning run writes into its folder (what --overwrite may remove; data/, the token store,
 # is a cache keyed by its inputs and stays)
@@ -81,7 +81,7 @@ def check_folder(path: str | os.PathLike, *, overwrite: bool = False, resume: bo
     if (path / "run.yaml").is_file() and not overwrite:
         raise OutputError(f"{path} already holds a run (run.yaml): continue it with --resume, or start over with "
                           f"{flag} (which removes what the run wrote there, nothing else), or choose another folder")
-    owned = owned_entries(path)
+    owned = run_entries(path)
     foreign = [e for e in entries if e not in owned and e != MARKER]
     if what == "run" and not foreign and set(entries) <= {"data", MARKER}:
         return path  # only a run's token-store cache (keyed by its inputs, reused): a run stopped while preparing
@@ -107,14 +107,23 @@ def check_file(path: str | os.PathLike, *, overwrite: bool = False, what: str = 
     return path
 
 
+def run_entries(folder: str | os.PathLike) -> set[str]:
+    """The entries of a run folder that pretune wrote: its marker's, or, for a run folder from before markers
+    (run.yaml, no marker), the run entries (``RUN_ENTRIES``) present."""
+    folder = Path(folder)
+    if (folder / MARKER).is_file() or not (folder / "run.yaml").is_file():
+        return owned_entries(folder)
+    return {e for e in RUN_ENTRIES if (folder / e).exists()} | ({"data"} if (folder / "data").is_dir() else set())
+
+
 def clean_run_folder(path: str | os.PathLike) -> list[str]:
-    """``--overwrite`` on a run folder: remove what a run wrote there (``RUN_ENTRIES``, and what its marker lists),
-    nothing else; returns the names removed."""
+    """``--overwrite`` on a run folder: remove what pretune wrote there (``run_entries``) except its token-store
+    cache ``data/``, nothing else; returns the names removed."""
     import shutil
 
     path = Path(path)
     removed = []
-    for name in sorted((set(RUN_ENTRIES) | owned_entries(path)) - {"data"}):
+    for name in sorted(run_entries(path) - {"data", MARKER}):
         target = path / name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
@@ -123,14 +132,31 @@ def clean_run_folder(path: str | os.PathLike) -> list[str]:
         else:
             continue
         removed.append(name)
+    owned = owned_entries(path) - set(removed)
+    if (path / MARKER).is_file():
+        mark(path, owned, merge=False)
     return removed
 
 
+def claim(folder: str | os.PathLike, entries, *, what: str = "run") -> None:
+    """Before a job writes ``entries`` (top-level names) into ``folder``: refuse any that exists and was not
+    written by pretune (a user's ``model/`` or ``data/`` beside an --overwrite), then record them as pretune's."""
+    folder = Path(folder)
+    owned = run_entries(folder)
+    clash = sorted(e for e in entries if ((folder / e).exists() or (folder / e).is_symlink()) and e not in owned)
+    if clash:
+        raise OutputError(f"{folder} holds {', '.join(clash)}, which pretune did not write and this {what} would "
+                          "write to; move it away or choose another folder")
+    mark(folder, entries)
+
+
 def prepare_run_folder(run_dir: str | os.PathLike, config: dict, *, resume: bool, overwrite: bool, log=print,
-                       derived=()) -> Path:
+                       derived=(), writes=()) -> Path:
     """Get a pretraining or finetuning run folder ready (the main process only): a new run needs an empty folder
-    (or --overwrite, which removes what an earlier run wrote there, nothing else); --resume needs the run's own
-    folder and a config that differs from its run.yaml only where that is allowed (runconfig.check_resume)."""
+    (or --overwrite, which removes what an earlier run wrote there, nothing else, and refuses a name the run would
+    write that holds something of the user's); --resume needs the run's own folder and a config that differs from
+    its run.yaml only where that is allowed (runconfig.check_resume). ``writes``: more entries the run writes
+    (pretraining's token store ``data``)."""
     from .runconfig import check_resume
 
     run_dir = check_folder(run_dir, overwrite=overwrite, resume=resume, what="run")
@@ -146,10 +172,11 @@ def prepare_run_folder(run_dir: str | os.PathLike, config: dict, *, resume: bool
             raise OutputError(f"{stored}: not readable ({e}); cannot check the config the run started with") from None
         for line in check_resume(old, config, source=str(run_dir), derived=derived):
             log(f"resume: {line}")
-    elif overwrite and run_dir.is_dir():
+        return run_dir
+    if overwrite and run_dir.is_dir():
         removed = clean_run_folder(run_dir)
         if removed:
             log(f"--overwrite: removed {', '.join(removed)} of the earlier run in {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    mark(run_dir, RUN_ENTRIES + ("data",))
+    claim(run_dir, tuple(e for e in RUN_ENTRIES if e != MARKER) + tuple(writes))
     return run_dir

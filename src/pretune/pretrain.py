@@ -218,7 +218,8 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
     run_dir = Path(cfg.train.out)
     try:
         if dist.is_main:
-            prepare_run_folder(run_dir, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log)
+            prepare_run_folder(run_dir, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
+                               writes=() if cfg.data.store else ("data",))
         barrier(dist)
         tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
         if dist.is_main:
@@ -238,6 +239,7 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
         if dist.is_main:
             save(objective.finetunable(model), model_dir, tokenizer=tok)
             cfg.save(model_dir / "run.yaml")
+            mark(model_dir, ["run.yaml"])
             if cfg.train.plot and (run_dir / "metrics.jsonl").is_file():
                 from .train.logging import plot_losses
 

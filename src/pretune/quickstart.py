@@ -152,14 +152,14 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
         log: where the step headers and each job's summary lines go.
     """
     from .finetune import finetune, load_finetune_config
-    from .outputs import check_folder, mark
+    from .outputs import check_folder, claim
     from .pretrain import load_run_config, pretrain
     from .tokenization import train_tokenizer
 
     plan = FAST if fast else FULL
     out = check_folder(out, overwrite=overwrite, what="quickstart")  # its runs replace only what they wrote
     out.mkdir(parents=True, exist_ok=True)
-    mark(out, QUICKSTART_ENTRIES)
+    claim(out, QUICKSTART_ENTRIES, what="quickstart")  # a name of the user's among them is refused
     mini = _minilm() if minilm else None
     n_steps = 5 if mini is not None else 4
     corpus = [bundled.path(f"corpus/{name}") for name in plan.corpus]

@@ -254,7 +254,8 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
 # longer run (then the schedule is recomputed for the new total, and values derived from the length, such as
 # finetuning's warmup, follow)
 RESUME_MAY_CHANGE = ("train.eval_every", "train.save_every", "train.log_every", "train.threads", "train.tensorboard",
-                     "train.plot", "train.eval_batches", "train.keep_last", "train.out")
+                     "train.plot", "train.eval_batches", "train.keep_last", "train.out",
+                     "train.precision")  # what `auto` resolves to differs between machines (not bitwise then)
 RESUME_MAY_GROW = ("train.steps", "tune.epochs")
 
 
@@ -290,7 +291,7 @@ def check_resume(stored: dict, new: dict, *, source: str, derived=()) -> list[st
             refused.append(line)
     if refused:
         raise ConfigError(f"cannot resume {source} with a different config (" + "; ".join(refused) + "); resume "
-                          "with the settings it was started with (only the eval/save/log intervals, threads and a "
-                          "longer train.steps / tune.epochs may change), or start a new run (--overwrite or another "
-                          "folder)")
+                          "with the settings it was started with (only the eval/save/log intervals, threads, the "
+                          "precision and a longer train.steps / tune.epochs may change), or start a new run "
+                          "(--overwrite or another folder)")
     return allowed

@@ -492,6 +492,9 @@ class Tokenizer:
         file = path if path.suffix == ".json" and not path.is_dir() else path / "tokenizer.json"
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+        _umask = os.umask(0)
+        os.umask(_umask)
+        os.fchmod(fd, 0o666 & ~_umask)  # mkstemp makes 0600; an output is an ordinary file
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(self.tk.to_str(pretty=True))

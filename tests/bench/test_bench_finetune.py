@@ -97,3 +97,4 @@ def test_cli_flags():
     assert (args.limit, args.rounds, args.dtypes, args.json, args.batch, args.epochs) == (64, 1, ["fp32", "bf16"],
                                                                                           "out.json", 32, 1.0)
     assert Path(args.data) == bf.DEFAULT_DATA and args.func is bf.run_cli
+    assert (bf.DEFAULT_DATA / "train.jsonl").is_file()  # the bundled copy, wherever the package is installed

@@ -89,3 +89,9 @@ def test_bench_pretrain_end_to_end(store, minilm, tmp_path):
     assert row["pretune_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0 and row["ratio"] > 0
     assert 0 < row["timed_tokens"] <= 4 * 32
     assert "fp32" in bp.format_rows(rows)
+
+
+def test_the_default_corpus_exists():
+    from pretune.bench.pretrain import DEFAULT_CORPUS
+
+    assert DEFAULT_CORPUS.is_dir() and any(DEFAULT_CORPUS.glob("*.txt.gz"))

@@ -151,3 +151,64 @@ def test_ddp_two_processes_match_one(tmp_path, small_corpus, tokenizers_by_kind)
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0, msg=k)
     state = torch.load(tmp_path / "two" / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=True)
     assert len(state["rng"]) == 2  # one RNG state per rank, for an exact resume with the same world size
+
+
+def test_a_newer_checkpoint_left_by_a_fallback_never_costs_the_one_just_written(tmp_path, small_corpus,
+                                                                                 tokenizers_by_kind):
+    """Resumed from step 2 because step 4 did not load: the next checkpoint (step 3) stays, whatever keep_last,
+    and the abandoned step 4 goes."""
+    cfg = _cfg(tmp_path, tokenizers_by_kind["wordpiece"], small_corpus, "run", "train.save_every=2",
+               "train.keep_last=2", "train.steps=4")
+    _quiet(cfg)
+    run = tmp_path / "run"
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000002", "step-00000004"]
+    (run / "checkpoints" / "step-00000004" / "trainer.pt").write_bytes(b"torn")
+    trainer, _ = _trainer(_cfg(tmp_path, tokenizers_by_kind["wordpiece"], small_corpus, "run", "train.save_every=2",
+                               "train.keep_last=1", "train.steps=4"))
+    said = []
+    assert trainer.resume(log=said.append) == 2
+    assert any("skipped checkpoint step-00000004" in s for s in said)
+    trainer.train_step()
+    written = trainer.save_checkpoint()
+    assert [p.name for p in list_checkpoints(run)] == [written.name] == ["step-00000003"]
+
+
+def test_a_run_that_stopped_early_is_finished_when_resumed(tmp_path, small_corpus, tokenizers_by_kind):
+    cfg = _cfg(tmp_path, tokenizers_by_kind["wordpiece"], small_corpus, "run", "train.save_every=2",
+               "train.keep_last=1")
+    trainer, _ = _trainer(cfg)
+    trainer.train_step()
+    trainer.train_step()
+    trainer.stopped_early = True  # as EarlyStopping sets it
+    trainer.save_checkpoint()
+    again, _ = _trainer(cfg)
+    result = again.fit(resume=True, log=lambda *a: None)
+    assert result.step == 2 and again.stopped_early  # no step beyond the early stop
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000002"]
+
+
+def test_signals_ignored_by_the_parent_stay_ignored():
+    import signal
+
+    from pretune.train.loop import _SignalFlag
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        flag = _SignalFlag()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # `pretune ... &` in a script keeps ignoring it
+        assert signal.getsignal(signal.SIGTERM) == flag._handle
+        flag.restore()
+        assert signal.getsignal(signal.SIGTERM) is not flag._handle
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_resume_accepts_another_precision_and_refuses_a_changed_lr():
+    from pretune.config import ConfigError
+    from pretune.runconfig import check_resume
+
+    old = {"train": {"precision": "bf16", "lr": 1e-3, "steps": 10}}
+    assert check_resume(old, {"train": {"precision": "fp32", "lr": 1e-3, "steps": 10}}, source="r") == [
+        "train.precision: 'bf16' -> 'fp32'"]  # auto resolved on another machine
+    with pytest.raises(ConfigError, match=r"train.lr: 0.001 -> 0.002"):
+        check_resume(old, {"train": {"precision": "bf16", "lr": 2e-3, "steps": 10}}, source="r")

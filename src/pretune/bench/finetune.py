@@ -51,7 +51,7 @@ from pathlib import Path
 from .common import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune", "transformers")
-DEFAULT_DATA = Path(__file__).resolve().parent / "bundled" / "tasks" / "sms_spam"  # train/dev/test, shipped whole
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "bundled" / "tasks" / "sms_spam"  # pretune/bundled: shipped whole
 TARGET_RATIO = 1.3  # transformers seconds / pretune seconds
 TARGET_POINTS = 0.5  # |test accuracy difference| in percentage points
 

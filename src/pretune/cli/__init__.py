@@ -460,6 +460,13 @@ def _report(command: str, e: BaseException) -> int:
         else:
             print(f"{where}: {e.strerror or e}{':' + name if name else ''}", file=sys.stderr)
         return 2
+    from ..checkpoint import disk_full
+
+    full = disk_full(e, ".") if isinstance(e, Exception) else None  # safetensors' / torch's own words for it
+    if full is not None:
+        print(f"{where}: no space left on the device; free some space and run again (--resume for a run)",
+              file=sys.stderr)
+        return 2
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     print(f"{where}: unexpected {type(e).__name__}{': ' + first if first else ''}; run with --debug for the "
           "traceback", file=sys.stderr)

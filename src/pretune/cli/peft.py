@@ -22,7 +22,10 @@ def cmd_merge(args) -> int:
     save(plain, args.out, tokenizer=tok.tk)
     task = Path(args.adapter) / TASK_FILE
     if task.is_file():
+        from ..outputs import mark
+
         (Path(args.out) / TASK_FILE).write_text(task.read_text())
+        mark(args.out, [TASK_FILE])
     print(f"merged {args.adapter} into its base -> {args.out} (a plain checkpoint: evaluate, predict, convert "
           "--to-hf work on it)")
     return 0

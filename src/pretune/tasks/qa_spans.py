@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..config import ConfigError
 from ..data.readers import DataError
 from ..tokenization import Tokenizer
 
@@ -116,10 +117,10 @@ def find_answer(context: str, answer_text: str, answer_start: int | None = None,
 def _special_ids(tok: Tokenizer) -> tuple[int, int]:
     null = tok.cls_id if tok.cls_id is not None else tok.pad_id
     if null is None:
-        raise ValueError("extractive QA needs a token for position 0 ('no answer'): the tokenizer has no cls, "
+        raise ConfigError("extractive QA needs a token for position 0 ('no answer'): the tokenizer has no cls, "
                          "bos or pad token")
     if tok.sep_id is None:
-        raise ValueError("extractive QA needs a separator between question and context: the tokenizer has no "
+        raise ConfigError("extractive QA needs a separator between question and context: the tokenizer has no "
                          "sep or eos token")
     return null, tok.sep_id
 
@@ -144,11 +145,11 @@ def _budget(max_len: int, stride: int, n_special: int, max_question_len: int | N
     """Question tokens kept at most; raises ValueError when max_len/stride cannot give windows that advance."""
     for name, value in (("max_len", max_len), ("stride", stride)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
     if stride < 0:
-        raise ValueError(f"stride must be >= 0 (context tokens shared by consecutive windows), got {stride}")
+        raise ConfigError(f"stride must be >= 0 (context tokens shared by consecutive windows), got {stride}")
     if max_len < n_special + 2:
-        raise ValueError(f"max_len={max_len} is too small: a window holds {n_special} special tokens, at least "
+        raise ConfigError(f"max_len={max_len} is too small: a window holds {n_special} special tokens, at least "
                          f"one question token and one context token, so max_len must be >= {n_special + 2}")
     avail = max_len - n_special
     if max_question_len is None:
@@ -156,11 +157,11 @@ def _budget(max_len: int, stride: int, n_special: int, max_question_len: int | N
     else:
         if isinstance(max_question_len, bool) or not isinstance(max_question_len, (int, np.integer)) \
                 or max_question_len < 1:
-            raise ValueError(f"max_question_len must be a positive integer or None, got {max_question_len!r}")
+            raise ConfigError(f"max_question_len must be a positive integer or None, got {max_question_len!r}")
         max_q = int(max_question_len)
     min_room = avail - max_q
     if min_room <= stride:
-        raise ValueError(
+        raise ConfigError(
             f"max_len={max_len} is too small for stride={stride}: after {n_special} special tokens and up to {max_q} "
             f"question tokens a window holds only {min_room} context tokens, and it must hold more than stride "
             f"(the tokens shared with the next window) to advance; raise max_len, lower stride"
@@ -228,13 +229,13 @@ def qa_features(tok: Tokenizer, question: str, context: str, answer_spans: Seque
             for ``stride`` and the question budget (checked before the data, so it never depends on a row).
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+        raise ConfigError(f"unknown layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     null_id, sep_id = _special_ids(tok)
     seps = [sep_id] if layout == "bert" else [sep_id, sep_id]
     n_special = 2 + len(seps)
     max_q = _budget(max_len, stride, n_special, max_question_len)
     if pad_to_max_len and tok.pad_id is None:
-        raise ValueError("pad_to_max_len=True needs a pad token, and the tokenizer has none")
+        raise ConfigError("pad_to_max_len=True needs a pad token, and the tokenizer has none")
     if not isinstance(question, str) or not isinstance(context, str):
         raise DataError(f"{_at(where)}question and context must be strings, got {type(question).__name__} and "
                         f"{type(context).__name__}")
@@ -304,9 +305,9 @@ def _vector(x: Any, name: str) -> np.ndarray:
         x = x.detach().float().cpu().numpy()
     arr = np.asarray(x, dtype=np.float64)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-d (one window's logits), got shape {arr.shape}")
+        raise ConfigError(f"{name} must be 1-d (one window's logits), got shape {arr.shape}")
     if np.isnan(arr).any():
-        raise ValueError(f"{name} holds NaN")
+        raise ConfigError(f"{name} holds NaN")
     return arr
 
 
@@ -314,11 +315,11 @@ def _span_scores(start_logits: Any, end_logits: Any, offsets: Sequence[Span | No
                  max_answer_len: int) -> np.ndarray | None:
     """(n, m) band ``scores[s, j] = start[s] + end[s + j]`` over legal spans, -inf elsewhere; None if none."""
     if isinstance(max_answer_len, bool) or not isinstance(max_answer_len, (int, np.integer)) or max_answer_len < 1:
-        raise ValueError(f"max_answer_len must be a positive integer, got {max_answer_len!r}")
+        raise ConfigError(f"max_answer_len must be a positive integer, got {max_answer_len!r}")
     start, end = _vector(start_logits, "start_logits"), _vector(end_logits, "end_logits")
     n = len(offsets)
     if len(start) < n or len(end) < n:
-        raise ValueError(f"logits of lengths {len(start)} (start) and {len(end)} (end) are shorter than the "
+        raise ConfigError(f"logits of lengths {len(start)} (start) and {len(end)} (end) are shorter than the "
                          f"window's {n} positions")
     legal = np.fromiter((o is not None for o in offsets), dtype=bool, count=n)
     if not legal.any():
@@ -344,7 +345,7 @@ def top_spans(start_logits: Any, end_logits: Any, offsets: Sequence[Span | None]
         Up to ``top_k`` ``(s, e, score)`` (fewer if there are fewer legal spans).
     """
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        raise ConfigError(f"top_k must be a positive integer, got {top_k!r}")
     scores = _span_scores(start_logits, end_logits, offsets, max_answer_len)
     if scores is None:
         return []
@@ -401,10 +402,10 @@ def decode_answer(features: Sequence[dict[str, Any]], start_logits_per_feature: 
         ``("", null_score)``.
     """
     if not (len(features) == len(start_logits_per_feature) == len(end_logits_per_feature)):
-        raise ValueError(f"{len(features)} features but {len(start_logits_per_feature)} start and "
+        raise ConfigError(f"{len(features)} features but {len(start_logits_per_feature)} start and "
                          f"{len(end_logits_per_feature)} end logit rows; expected one row per feature")
     if not features:
-        raise ValueError("decode_answer needs at least one feature")
+        raise ConfigError("decode_answer needs at least one feature")
     null_score = math.inf
     best: tuple[float, int, int, int] | None = None  # score, feature, s, e
     for k, (feat, start, end) in enumerate(zip(features, start_logits_per_feature, end_logits_per_feature)):

@@ -153,6 +153,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def _write_atomic_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _umask = os.umask(0)
+    os.umask(_umask)
+    os.fchmod(fd, 0o666 & ~_umask)  # mkstemp makes 0600; an output is an ordinary file
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -244,6 +247,9 @@ def plot_losses(metrics_path: str | os.PathLike, out_png: str | os.PathLike, *, 
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    _umask = os.umask(0)
+    os.umask(_umask)
+    os.fchmod(fd, 0o666 & ~_umask)  # mkstemp makes 0600; an output is an ordinary file
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png")

@@ -43,7 +43,8 @@ class Interrupted(RuntimeError):
         self.exit_code = 128 + signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if checkpoint is not None:
-            how = f"checkpoint {checkpoint.name} written; continue with the same command and --resume"
+            how = (f"checkpoint {checkpoint.name} written; continue with the same command and --resume (pretune "
+                   "pretrain / finetune)")
         else:
             how = "no checkpoint (train.keep_last=0 writes none), so the run cannot be continued"
         super().__init__(f"interrupted ({name}) after step {step}: {how}")
@@ -123,7 +124,9 @@ class Trainer:
         d = self.dist
         check_batch(cfg, world=d.world)
         if len(data.train_ids) < cfg.batch_size:
-            raise ValueError(f"train.batch_size ({cfg.batch_size}) is larger than the training set "
+            from ..config import ConfigError
+
+            raise ConfigError(f"train.batch_size ({cfg.batch_size}) is larger than the training set "
                              f"({len(data.train_ids)} examples): lower it or add data")
         self.precision = resolve_precision(cfg.precision, d.device)  # jobs resolve (and print) it before
         self.module = _LossModule(model, objective).to(d.device)
@@ -327,7 +330,8 @@ class Trainer:
                                        optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
                                        position=dict(self.position), rng_states=rng, run_config=self.run_config,
                                        keep_last=self.cfg.keep_last,
-                                       callbacks=[cb.state_dict(self.step) for cb in self.callbacks])
+                                       callbacks=[cb.state_dict(self.step) for cb in self.callbacks],
+                                       stopped_early=self.stopped_early)
         barrier(self.dist)
         return path or (self.run_dir / "checkpoints" / f"step-{self.step:08d}")
 
@@ -341,16 +345,22 @@ class Trainer:
             for name in clean_interrupted(self.run_dir):
                 log(f"removed {name}: an interrupted checkpoint write")
         barrier(self.dist)
-        ckpts = list_checkpoints(self.run_dir)
-        skipped = []
+        # rank 0 lists the checkpoints; every process tries the same one and they agree whether it loaded, so a
+        # checkpoint one process cannot read is skipped by all (none hangs waiting for another)
+        ckpts = all_gather_objects(list_checkpoints(self.run_dir) if self.dist.is_main else None, self.dist)[0]
+        skipped, state = [], None
         for ckpt in reversed(ckpts):
             try:
-                state = load_training_state(ckpt, model=self.model, objective=self.objective,
-                                            optimizer=self.optimizer, scheduler=self.scheduler)
-                break
+                state, why = load_training_state(ckpt, model=self.model, objective=self.objective,
+                                                 optimizer=self.optimizer, scheduler=self.scheduler), ""
             except CheckpointError as e:
-                skipped.append(f"{ckpt.name}: {e}")
-        else:
+                state, why = None, str(e)
+            whys = [w for w in all_gather_objects(why, self.dist) if w]
+            if not whys:
+                break
+            skipped.append(f"{ckpt.name}: {whys[0]}")
+            state = None
+        if state is None:
             if skipped:
                 raise CheckpointError(f"no checkpoint of {self.run_dir} loads: " + "; ".join(skipped))
             return 0
@@ -366,6 +376,7 @@ class Trainer:
             cb.load_state_dict(cb_state)
         self.step = int(state["step"])
         self.position = {k: int(v) for k, v in state["position"].items()}
+        self.stopped_early = bool(state.get("stopped_early", False))  # a run that stopped early is finished
         return self.step
 
     def _write_run_config(self, start: int) -> None:
@@ -418,8 +429,9 @@ class Trainer:
         eval_out: dict = {}
         ckpt = None
         signals = _SignalFlag()
+        finished = bool(start) and (start >= cfg.steps or self.stopped_early)  # resumed at its end: nothing to do
         try:
-            while self.step < cfg.steps:
+            while self.step < cfg.steps and not self.stopped_early:
                 ts = time.perf_counter()
                 try:
                     last = self.train_step()
@@ -452,7 +464,7 @@ class Trainer:
                     if cfg.keep_last and saved is None:
                         saved = self.save_checkpoint()
                     raise Interrupted(signum, self.step, saved)
-            if self.stopped_early or start < cfg.steps or not list_checkpoints(self.run_dir):
+            if not finished:
                 if not self.stopped_early:
                     eval_out = self.evaluate()
                     if eval_out:
@@ -484,6 +496,8 @@ class _SignalFlag:
         self.old = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is signal.SIG_IGN:  # ignored by whoever started us (`cmd &`): keep it so
+                    continue
                 self.old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
@@ -507,7 +521,7 @@ class _SignalFlag:
         import signal
 
         for sig, handler in self.old.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
 
 
 def _fmt_eval(step: int, ev: dict) -> str:

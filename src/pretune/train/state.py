@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, load_state, read_weights, save
+from ..checkpoint import CheckpointError, atomic_folder, disk_full, load_state, read_weights, save
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TEMP_DIR = re.compile(r"^\.step-\d{8}\.(tmp|old)-")  # what an interrupted checkpoint write leaves
@@ -77,9 +77,10 @@ def clean_interrupted(run_dir: str | Path) -> list[str]:
 
 def save_training_state(run_dir: str | Path, *, step: int, model, objective, optimizer, scheduler, tokenizer,
                         position: dict, rng_states: list, run_config=None, keep_last: int = 2,
-                        callbacks: list[dict] | None = None) -> Path:
-    """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last``. ``callbacks``: each
-    callback's state_dict (its tensors go to callbacks.safetensors, the rest to trainer.pt)."""
+                        callbacks: list[dict] | None = None, stopped_early: bool = False) -> Path:
+    """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last`` up to it. ``callbacks``:
+    each callback's state_dict (its tensors go to callbacks.safetensors, the rest to trainer.pt); ``stopped_early``:
+    the run ended here by early stopping (a resume then trains no further)."""
     path = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
     plain, tensors = [], {}
     for i, cb in enumerate(callbacks or []):
@@ -88,6 +89,30 @@ def save_training_state(run_dir: str | Path, *, step: int, model, objective, opt
                         if isinstance(v, torch.Tensor)})
     meta = {"format": "pt", "library": "pretune"}
     trainable = trainable_state(objective.finetunable(model))
+    try:
+        _write_checkpoint(path, model, objective, trainable, tokenizer, meta, tensors, plain, optimizer, scheduler,
+                          step, position, rng_states, run_config, stopped_early)
+    except Exception as e:  # a full disk reads as a RuntimeError from torch's writer: say what it is
+        full = disk_full(e, path)
+        if full is None:
+            raise
+        raise full from e
+    # keep the newest keep_last up to this step; a newer one (left by a run resumed from an older checkpoint, after
+    # a newer one failed to load) is of an abandoned future and goes; the one just written always stays
+    ckpts = list_checkpoints(run_dir)
+    newer = [c for c in ckpts if _step(c) > step]
+    older = [c for c in ckpts if _step(c) <= step and c != path]
+    for old in newer + older[:max(0, len(older) - (max(1, keep_last) - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _step(ckpt: Path) -> int:
+    return int(STEP_DIR.match(ckpt.name).group(1))
+
+
+def _write_checkpoint(path, model, objective, trainable, tokenizer, meta, tensors, plain, optimizer, scheduler, step,
+                      position, rng_states, run_config, stopped_early) -> None:
     with atomic_folder(path) as tmp:
         if trainable is None:
             save(objective.finetunable(model), tmp / "model", tokenizer=tokenizer)
@@ -100,12 +125,10 @@ def save_training_state(run_dir: str | Path, *, step: int, model, objective, opt
         if tensors:
             save_file(tensors, str(tmp / "callbacks.safetensors"), metadata=meta)
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "position": position, "rng": rng_states, "callbacks": plain, "format": 1}, tmp / "trainer.pt")
+                    "position": position, "rng": rng_states, "callbacks": plain, "stopped_early": stopped_early,
+                    "format": 1}, tmp / "trainer.pt")
         if run_config is not None:
             run_config.save(tmp / "run.yaml")
-    for old in list_checkpoints(run_dir)[:-max(1, keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def _read_trainer(path: Path) -> dict:
@@ -121,7 +144,7 @@ def _read_trainer(path: Path) -> dict:
         what = f" (it holds a {found.group(1)})" if found else ""
         raise CheckpointError(f"{file}: refused to unpickle it: a trainer state holds only tensors and plain "
                               f"values{what}; not written by pretune?") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - torch's reader fails on a torn file in many ways (IndexError, ...)
         first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{file}: not readable ({first}); the file is truncated or corrupt") from None
     if not isinstance(state, dict) or not {"step", "optimizer", "scheduler", "position", "rng"} <= set(state):
@@ -132,8 +155,9 @@ def _read_trainer(path: Path) -> dict:
 
 def load_training_state(path: str | Path, *, model, objective, optimizer, scheduler) -> dict:
     """Restore a checkpoint written by :func:`save_training_state` in place; returns the trainer dict
-    (step, position, rng, callbacks). Every file is read and checked first (a missing, truncated or mis-shaped
-    tensor is a CheckpointError naming it), so a failure leaves the model, objective and optimizer untouched."""
+    (step, position, rng, callbacks, stopped_early). Every file is read and checked before anything is put in (a
+    missing, truncated or mis-shaped tensor is a CheckpointError naming it); only an optimizer state that does not
+    fit is found after the weights were copied, and then the caller loads another checkpoint over them or stops."""
     path = Path(path)
     state = _read_trainer(path)
     target = objective.finetunable(model)
