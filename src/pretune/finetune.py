@@ -59,6 +59,7 @@ class FinetuneData:
     test: str = ""  # test records scored once at the end with the final (best) model
     dev_fraction: float = 0.1  # share of train held out as dev when `dev` is empty
     errors: Literal["strict", "replace"] = "strict"  # non-UTF-8 bytes: stop naming the line, or replace
+    packing: bool = False  # sft: several training examples per row of task.max_len tokens (none sees another)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class FullMethod:
         if self.freeze_body:
             for p in model.parameters():
                 p.requires_grad_(True)
-        save(model, model_dir, tokenizer=tok.tk)
+        save(model, model_dir, tokenizer=tok)
         save_task(model_dir, cfg.task)
         return {}
 
@@ -219,7 +220,7 @@ class AdapterMethod:
     def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
         from . import peft
 
-        peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok.tk,
+        peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok,
                           extra_files={TASK_FILE: json.dumps(dataclasses.asdict(cfg.task), indent=2) + "\n"})
         sizes = {"adapter_bytes": peft.adapter_size(model_dir),
                  "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.base_state(model).values())}
@@ -346,6 +347,15 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         model.config = model.transformer.config = model.config.replace(**records)
     feats = {split: encode_records(task, recs, show_progress=show_progress, desc=f"encode {split}")
              for split, recs in (("train", train_recs), ("dev", dev_recs), ("test", test_recs))}
+    if cfg.data.packing:
+        if not getattr(task, "packable", False):
+            raise ConfigError(f"data.packing=true packs training examples of task sft; task {task.name!r} cannot")
+        if cfg.peft.method in ("prefix", "prompt"):
+            raise ConfigError(f"data.packing=true cannot be used with --peft {cfg.peft.method}: its virtual tokens "
+                              "would be shared by every example of a row")
+        n = len(feats["train"])
+        feats["train"] = task.pack(feats["train"], task.max_len)
+        derived["data.packing"] = f"{n} examples packed into {len(feats['train'])} rows of <= {task.max_len} tokens"
     cfg = _resolve_train(cfg, len(feats["train"]), method, derived,
                          task_head=model.config.head in TASK_HEADS and model.head is not None)
     method.setup(model, tok, cfg, log)
@@ -446,7 +456,7 @@ def _trainer(job: Prepared, *, show_progress: bool, log):
         param_lr = {id(p): cfg.tune.head_lr for p in model.head.parameters() if p.requires_grad}
         log(f"task head ({sum(p.numel() for p in model.head.parameters()):,} parameters) at lr "
             f"{cfg.tune.head_lr:g}, the rest at {tr.lr:g}")
-    return Trainer(model=model, objective=task, data=data, cfg=tr, run_dir=Path(tr.out), tokenizer=job.tokenizer.tk,
+    return Trainer(model=model, objective=task, data=data, cfg=tr, run_dir=Path(tr.out), tokenizer=job.tokenizer,
                    dist=DistInfo(), bucket=True, run_config=cfg, show_progress=show_progress, evaluator=evaluator,
                    callbacks=callbacks, param_lr=param_lr)
 

@@ -99,7 +99,7 @@ def evaluate_task(task, model, records: list[Record], *, batch_size: int = 64, p
     """(metrics, predictions) of ``model`` on labelled ``records``."""
     if features is None:
         features = encode_records(task, records, labelled=True, show_progress=show_progress)
-    sums: dict | None = {} if task.name == "seq2seq" else None
+    sums: dict | None = {} if getattr(task, "reports_perplexity", False) else None
     outs = run_outputs(task, model, features, batch_size=batch_size, precision=precision,
                        show_progress=show_progress, loss_sums=sums, desc=desc)
     preds = task.predict(records, features, outs)

@@ -358,6 +358,7 @@ class Tokenizer:
         found: dict[str, str | None] = {}
         for role, candidates in _ROLE_CANDIDATES.items():
             found[role] = next((c for c in candidates if c in special_strings), None)
+        inferred = dict(found)
         for role, token in (roles or {}).items():
             if role not in ROLES:
                 raise TokenizerError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
@@ -383,6 +384,10 @@ class Tokenizer:
             [i for i, t in added.items() if t.special] + [i for i in ids.values() if i is not None]
             + self.sentinel_ids)
         self._json: dict | None = None
+        # roles set from outside that inference would not find (a tokenizer_config.json's): saved beside it again
+        self.role_overrides: dict[str, str] = {r: t for r, t in (roles or {}).items() if inferred.get(r) != t}
+        # the Jinja chat template of a chat model's folder (chat_template.jinja / tokenizer_config.json), None: none
+        self.chat_template: str | None = None
 
     # ---- facts ------------------------------------------------------------------------------------
     @property
@@ -480,7 +485,9 @@ class Tokenizer:
 
     # ---- files ------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
-        """Write ``tokenizer.json`` atomically (temporary file + ``os.replace``).
+        """Write ``tokenizer.json`` atomically (temporary file + ``os.replace``); saved as ``tokenizer.json``, the
+        roles a ``tokenizer_config.json`` set and the chat template go beside it (``tokenizer_config.json``,
+        ``chat_template.jinja``) so that a model folder keeps them.
 
         Args:
             path: a file (ending in ``.json``) or a folder (created if missing) to hold ``tokenizer.json``.
@@ -491,19 +498,13 @@ class Tokenizer:
         path = Path(path)
         file = path if path.suffix == ".json" and not path.is_dir() else path / "tokenizer.json"
         file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-        _umask = os.umask(0)
-        os.umask(_umask)
-        os.fchmod(fd, 0o666 & ~_umask)  # mkstemp makes 0600; an output is an ordinary file
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(self.tk.to_str(pretty=True))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, file)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_text(file, self.tk.to_str(pretty=True))
+        if file.name == "tokenizer.json" and (self.role_overrides or self.chat_template):
+            # a model folder: what the tokenizer.json cannot hold goes beside it, as Hugging Face folders keep it
+            config = {f"{role}_token": token for role, token in self.role_overrides.items()}
+            _write_text(file.parent / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+            if self.chat_template:
+                _write_text(file.parent / CHAT_TEMPLATE_NAME, self.chat_template)
         return file
 
     @classmethod
@@ -511,8 +512,16 @@ class Tokenizer:
         """Load a ``tokenizer.json`` file, or a folder holding one (a pretune checkpoint or a Hugging Face folder).
 
         Roles are inferred from known token strings; ``tokenizer_config.json`` and ``special_tokens_map.json``
-        beside the file (``bos_token``, ``pad_token``, ...: a string or ``{"content": ...}``) override them.
+        beside the file (``bos_token``, ``pad_token``, ...: a string or ``{"content": ...}``) override them. A chat
+        model's template (``chat_template.jinja``, else ``chat_template.json`` or ``tokenizer_config.json``'s
+        ``"chat_template"``) is kept in ``chat_template`` and saved with the tokenizer.
         """
+        tok = cls._load(path)
+        tok.chat_template = read_chat_template(Path(path).expanduser())
+        return tok
+
+    @classmethod
+    def _load(cls, path: str | os.PathLike) -> Tokenizer:
         path = Path(path).expanduser()
         if path.is_dir():
             file = path / "tokenizer.json"
@@ -530,6 +539,48 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON or a non-tokenizer object
             raise TokenizerError(f"{file} is not a valid tokenizer.json ({e})") from e
         return cls(tk, roles=_hf_role_overrides(file.parent, tk))
+
+
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+
+
+def read_chat_template(path: Path) -> str | None:
+    """The default chat template of the folder of ``path`` (as transformers looks for it: chat_template.jinja, else
+    chat_template.json, else tokenizer_config.json's "chat_template", a string or a list of named templates);
+    None when it has none."""
+    folder = path if path.is_dir() else path.parent
+    if (folder / CHAT_TEMPLATE_NAME).is_file():
+        return (folder / CHAT_TEMPLATE_NAME).read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if not (folder / name).is_file():
+            continue
+        try:
+            value = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue  # a broken config is reported where roles are read
+        if isinstance(value, list):
+            value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"),
+                         None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _write_text(file: Path, text: str) -> None:
+    """Write ``text`` to ``file`` atomically (temporary file + fsync + ``os.replace``), with umask permissions."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; an output is an ordinary file
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -19,7 +19,7 @@ def cmd_merge(args) -> int:
                         "pretune_adapter.json or adapter_config.json); `peft merge` folds an adapter into its base")
     loaded = load_pretrained(args.adapter, base=args.base, merge=True)
     plain, tok = loaded.model, loaded.tokenizer
-    save(plain, args.out, tokenizer=tok.tk)
+    save(plain, args.out, tokenizer=tok)
     task = Path(args.adapter) / TASK_FILE
     if task.is_file():
         from ..outputs import mark

@@ -114,6 +114,7 @@ def build_mask(
     causal: bool,
     key_padding: torch.Tensor | None = None,
     prefix_lengths: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     device: torch.device | None = None,
 ) -> tuple[torch.Tensor | None, bool]:
@@ -126,6 +127,8 @@ def build_mask(
         causal: query i may only see keys j <= i.
         key_padding: (B, k_len) bool/int, 1 for real tokens, 0 for padding.
         prefix_lengths: (B,) prefix-LM: keys j < prefix_len are visible to every query.
+        document_ids: (B, k_len) several examples packed in one row: a query sees only keys of its own document
+            (a block-diagonal mask; queries are the last q_len columns).
         bias: (1 or B, H, q_len, k_len) additive logits bias (T5 relative, ALiBi).
     Returns:
         (mask, is_causal): an additive float mask (B|1, H|1, q_len, k_len) or None, and whether
@@ -133,7 +136,7 @@ def build_mask(
     """
     static = isinstance(q_offset, torch.Tensor)
     needs_causal = causal and (q_len > 1 or static)
-    if key_padding is None and prefix_lengths is None and bias is None and not static:
+    if key_padding is None and prefix_lengths is None and document_ids is None and bias is None and not static:
         if not needs_causal:
             return None, False
         if q_offset == 0 and q_len == k_len:
@@ -149,6 +152,14 @@ def build_mask(
     if key_padding is not None:
         keep = key_padding.to(device=device, dtype=torch.bool)[:, None, None, :]
         allowed = keep if allowed is None else allowed & keep
+    if document_ids is not None:
+        docs = document_ids.to(device)
+        same = (docs[:, -q_len:, None] == docs[:, None, :])[:, None]  # (B, 1, q_len, k_len)
+        allowed = same if allowed is None else allowed & same
+        # a padding query (no document) sees itself: no row is fully masked, which overflows to NaN in bf16
+        q_cols = k_len - q_len + torch.arange(q_len, device=device)
+        diagonal = torch.arange(k_len, device=device)[None, :] == q_cols[:, None]
+        allowed = allowed | diagonal
     if allowed is None and bias is None:
         return None, False  # e.g. one causal query with a prefix mask: nothing is hidden
     if bias is None:

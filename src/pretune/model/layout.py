@@ -230,7 +230,11 @@ class CausalLayout(Layout):
         return model.transformer.decode(ids, mask)
 
     def lm_inputs(self, model, batch):
-        h = self._decode(model, batch["input_ids"], batch["attention_mask"], batch.get("prefix_lengths"))
+        if "document_ids" in batch:  # packed rows: examples attend within themselves, positions restart
+            h = model.transformer.decode(batch["input_ids"], batch["attention_mask"],
+                                         position_ids=batch["position_ids"], document_ids=batch["document_ids"])
+        else:
+            h = self._decode(model, batch["input_ids"], batch["attention_mask"], batch.get("prefix_lengths"))
         h, targets = h[:, :-1], batch["labels"][:, 1:]  # state t predicts token t + 1
         return h.reshape(-1, h.shape[-1]), targets.reshape(-1)
 

@@ -88,12 +88,15 @@ class Stack(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         prefix_lengths: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """x: (B, T, E) token embeddings; attention_mask: (B, T_past + T) 1 = real token;
         memory: (B, S, dim) encoder output with memory_mask (B, S). Returns (B, T, dim).
+        document_ids: (B, T) examples packed in one row attend only within their document (give position_ids
+        restarting at each document too); not with a cache or extra input embeddings.
         With a StaticKVCache the cache's ``key_mask`` takes the place of ``attention_mask`` (which must be None)."""
         static = getattr(cache, "static", False)
         if static and (attention_mask is not None or self.extra_inputs is not None):
@@ -101,6 +104,9 @@ class Stack(nn.Module):
                              "extra input embeddings (prompt tuning) are not supported with it")
         past = cache.index if static else cache.length if cache is not None else 0  # (1,) tensor | int
         n_virtual = 0
+        if document_ids is not None and (cache is not None or self.extra_inputs is not None):
+            raise ValueError("packed rows (document_ids) cannot use a KV cache or extra input embeddings "
+                             "(prefix or prompt tuning)")
         if self.extra_inputs is not None:
             x, attention_mask, token_type_ids, position_ids, n_virtual = self.extra_inputs(
                 x, attention_mask, token_type_ids, position_ids, past)
@@ -129,6 +135,7 @@ class Stack(nn.Module):
             attention_mask = None  # nothing padded: keep SDPA's fast path
         mask, is_causal = build_mask(q_len=T, k_len=k_len, q_offset=past, causal=self.causal,
                                      key_padding=attention_mask, prefix_lengths=prefix_lengths,
+                                     document_ids=document_ids,
                                      bias=pos_bias, device=x.device)
         cross_mask = None
         # (a compiled step cannot branch on tensor values: it always applies a given memory mask)
@@ -180,8 +187,9 @@ class Transformer(nn.Module):
         return self.encoder if self.encoder is not None else self.decoder
 
     def decode(self, input_ids, attention_mask=None, *, memory=None, memory_mask=None,
-               position_ids=None, token_type_ids=None, prefix_lengths=None, cache=None):
+               position_ids=None, token_type_ids=None, prefix_lengths=None, document_ids=None, cache=None):
         """(B, T) token ids -> (B, T, dim) decoder hidden states (causal; cross-attends to memory)."""
         return self.decoder(self.embed(input_ids), attention_mask=attention_mask,
                             position_ids=position_ids, token_type_ids=token_type_ids, prefix_lengths=prefix_lengths,
+                            document_ids=document_ids,
                             memory=memory, memory_mask=memory_mask, cache=cache)

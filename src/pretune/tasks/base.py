@@ -54,6 +54,13 @@ class TaskConfig:
     metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
     choices: list[str] = field(default_factory=list)  # choice: answer text per label, in label order; empty: labels
     choice_loss: str = "tfew"  # choice: tfew (L_LM + L_UL + L_LN, Liu et al. 2022) or lm (L_LM only)
+    prompt_field: str = "prompt"  # sft: the prompt (a string, or a list of messages)
+    completion_field: str = "completion"  # sft: what the model learns to write after the prompt
+    messages_field: str = "messages"  # sft: a conversation [{"role", "content"}, ...]; loss on assistant turns
+    prompt_template: str = ""  # sft: the prompt from the record's fields ("Classify: {text}\nAnswer:"); empty: prompt
+    chat: bool = False  # sft: prompt/completion strings become a user and an assistant turn of the chat template
+    system: str = ""  # sft: a system message put before each conversation that has none
+    assistant_turns: Literal["all", "last"] = "all"  # sft chats: learn every assistant turn, or the last one only
     layout: Literal["auto", "causal", "prefix_lm"] = "auto"  # seq2seq/choice on a decoder-only model: how source
     # and target share its sequence; auto: as the model was pretrained (ModelConfig.decoder_layout, model/layout.py)
 

@@ -28,6 +28,7 @@ class Seq2Seq(Task):
     archs = ("encoder-decoder", "decoder")
     why = "text-to-text needs a decoder to write the output;"
     term = "lm"
+    reports_perplexity = True  # evaluation adds the perplexity of the targets
 
     def __init__(self, cfg, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
