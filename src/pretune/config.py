@@ -22,6 +22,7 @@ DecoderLayout = Literal["causal", "prefix_lm"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
 Position = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
+RopeScaling = Literal["none", "llama3"]
 Ffn = Literal[
     "relu", "gelu", "gelu_tanh", "swish",  # original FFN: act(x W1 + b1) W2 + b2
     "glu", "bilinear", "reglu", "geglu", "geglu_tanh", "swiglu",  # gated: (act(xW) * xV) W2
@@ -62,6 +63,8 @@ class ModelConfig:
     norm_eps: float = 1e-12  # epsilon inside the norm
     norm_placement: NormPlacement = "post"  # post: norm(x + f(x)) (BERT); pre: x + f(norm(x)) (GPT-2, T5, Llama)
     bias: bool = True  # biases in attention/FFN linears (BERT, GPT-2); False for T5, Llama
+    qkv_bias: bool = False  # biases on the q/k/v projections even when bias=False (Qwen2: o_proj and FFN have none)
+    qk_norm: bool = False  # norm (cfg.norm) on each head's queries and keys, over head_dim, before RoPE (Qwen3)
     norm_bias: bool = True  # LayerNorm has a bias (ignored for rmsnorm, which never has one)
     attn_scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds the scale into its init and uses 1.0
     embed_norm: bool = True  # norm after the embedding sum (BERT); pre-norm models use a final norm instead
@@ -72,6 +75,11 @@ class ModelConfig:
     position: Position = "learned"  # how order enters the model (see model/position.py)
     position_offset: int = 0  # learned: first position id (RoBERTa starts at padding_idx + 1 = 2)
     rope_base: float = 10000.0  # RoPE: theta_j = base^(-2(j-1)/d)
+    rope_scaling: RopeScaling = "none"  # RoPE frequency scaling for long contexts; llama3: Llama 3.1+ (below)
+    rope_factor: float = 8.0  # llama3: low frequencies (long wavelengths) are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths > rope_original_max_seq_len / this: divided by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths < rope_original_max_seq_len / this: kept; smooth between
+    rope_original_max_seq_len: int = 8192  # llama3: the context length the model was pretrained with before scaling
     relative_buckets: int = 32  # T5 relative bias: number of buckets
     relative_max_distance: int = 128  # T5 relative bias: distances beyond this share the last bucket
 
@@ -167,6 +175,17 @@ class ModelConfig:
             raise ConfigError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
         if self.position == "rope" and self.dh % 2:
             raise ConfigError(f"rope needs an even head_dim, got {self.dh}")
+        if self.rope_scaling != "none":
+            if self.position != "rope":
+                raise ConfigError(f"rope_scaling={self.rope_scaling!r} applies to position='rope' only, got "
+                                  f"position={self.position!r}")
+            if self.rope_factor < 1.0:
+                raise ConfigError(f"rope_factor must be >= 1, got {self.rope_factor}")
+            if not 0.0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(f"llama3 RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                                  f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+            if self.rope_original_max_seq_len <= 0:
+                raise ConfigError(f"rope_original_max_seq_len must be > 0, got {self.rope_original_max_seq_len}")
         if self.position == "sinusoidal" and self.embedding_dim % 2:
             raise ConfigError(f"sinusoidal positions need an even embedding width, got {self.embedding_dim}")
         for name in ("dropout", "attn_dropout"):

@@ -1,5 +1,5 @@
 """Task heads to and from transformers: *ForSequenceClassification / *ForTokenClassification /
-*ForQuestionAnswering of BERT, RoBERTa, GPT-2 and Llama.
+*ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama, Qwen2 and Qwen3.
 
 Tiny random-weight HF models built here (nothing is downloaded) -> save_pretrained -> pretune.from_hf
 -> the same logits on a right-padded batch; our model -> pretune.to_hf -> transformers' Auto* classes
@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 T = transformers
 
 V = 99
-PAD = {"bert": 0, "roberta": 1, "gpt2": 0, "llama": 0}
+PAD = {"bert": 0, "roberta": 1, "gpt2": 0, "llama": 0, "qwen2": 0, "qwen3": 0}
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TAGS = 5  # tagging heads keep HF's default names (LABEL_0..LABEL_4) -> labels None on our side
 
@@ -34,6 +34,14 @@ def _body(family: str, **kw):
     if family == "gpt2":
         return T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
                             eos_token_id=0, pad_token_id=PAD["gpt2"], **kw)
+    if family == "qwen2":  # q/k/v biases
+        return T.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             pad_token_id=PAD["qwen2"], **kw)
+    if family == "qwen3":  # q/k norms, head_dim 12 != 32 / 4
+        return T.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
+                             pad_token_id=PAD["qwen3"], **kw)
     return T.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          pad_token_id=PAD["llama"], **kw)
@@ -57,6 +65,10 @@ CASES = {
     "llama-seq": ("llama", "LlamaForSequenceClassification", "seq", {"id2label": LABELS}),
     "llama-token": ("llama", "LlamaForTokenClassification", "token", {"num_labels": TAGS}),
     "llama-qa": ("llama", "LlamaForQuestionAnswering", "qa", {}),
+    "qwen2-seq": ("qwen2", "Qwen2ForSequenceClassification", "seq", {"id2label": LABELS}),
+    "qwen2-token": ("qwen2", "Qwen2ForTokenClassification", "token", {"num_labels": TAGS}),
+    "qwen3-seq": ("qwen3", "Qwen3ForSequenceClassification", "seq", {"id2label": LABELS}),
+    "qwen3-qa": ("qwen3", "Qwen3ForQuestionAnswering", "qa", {}),
 }
 AUTO = {"seq": "AutoModelForSequenceClassification", "token": "AutoModelForTokenClassification",
         "qa": "AutoModelForQuestionAnswering"}

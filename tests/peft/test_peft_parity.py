@@ -28,6 +28,30 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _qwen2():  # biases on q/k/v only
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _with_biases(transformers.Qwen2ForCausalLM(cfg))
+
+
+def _qwen3():  # per-head q/k RMSNorm, head_dim 12 != 32 / 4
+    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _with_biases(transformers.Qwen3ForCausalLM(cfg))
+
+
+def _with_biases(model):
+    """HF starts biases at 0 and norms at 1: perturb them so the test sees them."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def _bert():
     cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
@@ -41,6 +65,8 @@ CASES = {
     "gpt2": (_gpt2, ["c_attn", "c_proj"], {"fan_in_fan_out": True}, ["q_proj", "v_proj", "down_proj"]),
     "llama": (_llama, ["q_proj", "k_proj", "v_proj", "down_proj"], {}, ["q_proj", "v_proj", "gate_proj"]),
     "bert": (_bert, ["query", "value", "output.dense"], {"task_type": "SEQ_CLS"}, ["q_proj", "k_proj", "o_proj"]),
+    "qwen2": (_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"], {}, ["q_proj", "k_proj", "up_proj"]),
+    "qwen3": (_qwen3, ["q_proj", "v_proj", "gate_proj"], {}, ["k_proj", "v_proj", "o_proj"]),
 }
 
 
@@ -148,7 +174,7 @@ def test_gpt2_fused_qkv_with_one_shared_a_stays_rank_r(tmp_path):
                                                                        "transformer.h.1.attn.c_attn"]
 
 
-BIAS_CASES = [(f, b) for f in ("gpt2", "bert") for b in ("all", "lora_only")]  # Llama has no biases
+BIAS_CASES = [(f, b) for f in ("gpt2", "bert", "qwen2") for b in ("all", "lora_only")]  # Llama has no biases
 
 
 @pytest.mark.parametrize("family,bias", BIAS_CASES)

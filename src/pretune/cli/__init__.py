@@ -87,10 +87,16 @@ def cmd_show(args) -> int:
     attn = f"{cfg.n_heads} heads x {cfg.dh}"
     if cfg.kv_heads != cfg.n_heads:
         attn += f", {cfg.kv_heads} kv heads (GQA)"
+    if cfg.qkv_bias and not cfg.bias:
+        attn += ", q/k/v biases"
+    if cfg.qk_norm:
+        attn += ", q/k norm"
+    rope = f" (base {cfg.rope_base:g}" + (f", {cfg.rope_scaling} scaling x{cfg.rope_factor:g}"
+                                           if cfg.rope_scaling != "none" else "") + ")"
     rows = [
         ("layers", layers), ("dim", cfg.dim), ("attention", attn), ("ffn", f"{cfg.ffn}, inner {cfg.ffn_dim}"),
         ("norm", f"{cfg.norm} ({cfg.norm_placement}-norm, eps {cfg.norm_eps:g})"),
-        ("positions", cfg.position + (f" (base {cfg.rope_base:g})" if cfg.position == "rope" else "")),
+        ("positions", cfg.position + (rope if cfg.position == "rope" else "")),
         ("vocab", cfg.vocab_size), ("max_seq_len", cfg.max_seq_len),
         ("embeddings", ("tied" if cfg.tie_embeddings else "untied")
          + (f", factorised {cfg.embed_dim}" if cfg.embed_dim else "")

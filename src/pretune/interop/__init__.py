@@ -188,10 +188,10 @@ def task_config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 # families
 # ---------------------------------------------------------------------------------------------
 def _families() -> dict[str, ModuleType]:
-    from . import bert, gpt2, llama, t5
+    from . import bert, gpt2, llama, qwen2, qwen3, t5
 
     out = {}
-    for mod in (bert, gpt2, t5, llama):
+    for mod in (bert, gpt2, t5, llama, qwen2, qwen3):
         for model_type in mod.MODEL_TYPES:
             out[model_type] = mod
     return out
@@ -251,9 +251,10 @@ def sentence_pooling(path: str | os.PathLike) -> str | None:
 
 
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
-    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama), with
-    its task head when ``architectures`` names one (*ForSequenceClassification, *ForTokenClassification,
-    *ForQuestionAnswering of BERT, RoBERTa, GPT-2 and Llama; labels come from ``id2label``). A base model that is
+    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama (with Llama 3.x
+    RoPE scaling), Qwen2/Qwen2.5, Qwen3), with its task head when ``architectures`` names one
+    (*ForSequenceClassification, *ForTokenClassification, *ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama and
+    Qwen; labels come from ``id2label``). A base model that is
     a sentence-transformers model trained with mean pooling (``modules.json``) gets ``pooling="mean"``, so a
     classification head added to it reads the sentence vector it was trained to make (not the BERT pooler).
 

@@ -12,12 +12,13 @@ from torch import nn
 
 from ..config import ModelConfig
 from .cache import LayerCache
-from .layers import FusedLinears, _keep_mask
+from .layers import FusedLinears, _keep_mask, make_norm
 
 
 class Attention(nn.Module):
     """Multi-head attention; grouped-query when n_kv_heads < n_heads; cross-attention when
-    keys/values come from another sequence (the encoder output)."""
+    keys/values come from another sequence (the encoder output). ``qkv_bias``: q/k/v have biases when the
+    other linears have none (Qwen2); ``qk_norm``: each head's queries and keys are normalised before RoPE (Qwen3)."""
 
     def __init__(self, cfg: ModelConfig, *, cross: bool = False):
         super().__init__()
@@ -25,10 +26,14 @@ class Attention(nn.Module):
         self.cross = cross
         self.scale = cfg.attn_scale  # None: SDPA's default 1/sqrt(Dh)
         self.dropout = cfg.attn_dropout
-        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.dh, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.dh, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.dh, cfg.dim, bias=cfg.bias)
+        # Qwen3: a norm (cfg.norm) over each head's Dh coordinates of q and k, one weight shared by the heads
+        self.q_norm = make_norm(cfg, self.dh) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.dh) if cfg.qk_norm else None
         # extra key/value columns every query sees: a callable (k, v, mask, is_causal, q_len) -> (k, v, mask,
         # is_causal) that prepends them (and their mask columns) to the keys and values. None: no extras.
         self.extra_kv = None
@@ -39,7 +44,14 @@ class Attention(nn.Module):
 
     def _project_qkv(self, x: torch.Tensor):
         q, k, v = self._qkv(x, (self.q_proj, self.k_proj, self.v_proj))  # one matmul for the three
-        return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        q, k = self._norm_qk(self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads))
+        return q, k, self._heads(v, self.n_kv_heads)
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (B, H, T, Dh), k: (B, Hkv, S, Dh), each normalised over Dh when qk_norm is on."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(
         self,
@@ -57,10 +69,14 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
             if cache is not None and cache.cross_k is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:
                 k = self._heads(self.k_proj(memory), self.n_kv_heads)  # (B, Hkv, S, Dh)
+                if self.k_norm is not None:
+                    k = self.k_norm(k)
                 v = self._heads(self.v_proj(memory), self.n_kv_heads)
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v

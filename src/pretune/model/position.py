@@ -88,14 +88,16 @@ class LearnedPositions(NoPosition):
 
 class RotaryPositions(NoPosition):
     """Differs from none: rotates each (q, k) coordinate pair by p*theta_j (Su et al. 2021), so
-    q_m.k_n depends only on n - m. Pairs are (j, j + d/2), the layout of HF Llama checkpoints."""
+    q_m.k_n depends only on n - m. Pairs are (j, j + d/2), the layout of HF Llama checkpoints. The frequencies
+    may be rescaled for a longer context (``cfg.rope_scaling``, one of ROPE_SCALINGS)."""
 
     has_rotation = True
 
     def __init__(self, cfg: ModelConfig, *, causal: bool):
         super().__init__(cfg, causal=causal)
         d = cfg.dh
-        inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # theta_j
+        inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # theta_j, (d/2,)
+        inv_freq = ROPE_SCALINGS[cfg.rope_scaling](inv_freq, cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._max = cfg.max_seq_len
@@ -131,6 +133,38 @@ class RotaryPositions(NoPosition):
             return _rope(q, *tables), _rope(k, *tables)
 
         return rotate
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Meta's ``apply_scaling``; transformers' ``rope_type="llama3"``).
+
+    With L = original_max_seq_len and wavelength w_j = 2 pi / theta_j: frequencies with w_j > L / low_freq_factor
+    (they never turned a full circle in pretraining) are divided by ``factor``; those with w_j < L / high_freq_factor
+    are kept; in between, s = (L / w_j - low_freq_factor) / (high_freq_factor - low_freq_factor) blends the two:
+    (1 - s) theta_j / factor + s theta_j. inv_freq: (d/2,) theta_j; returns the scaled (d/2,) frequencies.
+    """
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return llama3_inv_freq(inv_freq, factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                           high_freq_factor=cfg.rope_high_freq_factor,
+                           original_max_seq_len=cfg.rope_original_max_seq_len)
+
+
+# cfg.rope_scaling -> fn(theta_j (d/2,), cfg) -> the frequencies RoPE rotates by
+ROPE_SCALINGS = {
+    "none": lambda inv_freq, cfg: inv_freq,
+    "llama3": _llama3,
+}
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
                                  ``peft.PeftModel.from_pretrained`` and its tensors use peft's names
       tokenizer.json, task.json  when saved by ``pretune finetune``
 
-LoRA adapters of a family that exports to Hugging Face (BERT, RoBERTa, GPT-2, T5, Llama) are written
+LoRA adapters of a family that exports to Hugging Face (BERT, RoBERTa, GPT-2, T5, Llama, Qwen2, Qwen3) are written
 in peft's layout: ``base_model.model.<HF module>.lora_A.weight`` (and, with ``bias`` all / lora_only, the
 trained biases under their HF names); other adapters use pretune's parameter names with the adapter name left
 out, and the base parameters they train (embeddings, BitFit's biases) under their own names. A folder written

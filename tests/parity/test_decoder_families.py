@@ -1,0 +1,185 @@
+"""Parity with transformers for the decoder families that are Llama plus a model-core option: Llama 3.x RoPE
+scaling (``rope_scaling="llama3"``), Qwen2 / Qwen2.5 (``qkv_bias``: biases on q/k/v only) and Qwen3 (``qk_norm``:
+RMSNorm on each head's q and k; ``head_dim`` independent of dim / heads).
+
+Random-weight transformers models from unusual tiny configs (GQA, head_dim != dim / n_heads, tied and untied heads),
+every parameter perturbed (the q/k/v biases and q/k norm weights too): imported logits within 1e-4 (fp32), greedy and
+beam-search tokens identical with pretune's ``generate``, exports that transformers' Auto classes load with the same
+logits, identical round trips, and LoRA on the imported model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pretune
+from pretune import peft as ppeft
+from pretune.generation import generate
+
+T = pytest.importorskip("transformers")
+
+V = 99
+NEW = 8
+# wavelengths 2 pi / theta_j of head_dim 16, base 500: 6.3, 13.6, 29.7, 64.5, 140, ... With an original context of 64,
+# low_freq_factor 1 and high_freq_factor 8, the first is kept, the next two are blended and the rest divided by 4
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=8.0,
+                   original_max_position_embeddings=64)
+
+
+def _models():
+    return {
+        "llama3-rope": lambda: T.LlamaForCausalLM(T.LlamaConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rope_parameters=dict(LLAMA3_ROPE),
+            pad_token_id=0)),
+        "qwen2-gqa": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(
+            vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rope_parameters=dict(rope_type="default",
+                                                                                    rope_theta=300.0),
+            rms_norm_eps=1e-5, pad_token_id=0)),
+        "qwen2-tied-mqa": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(
+            vocab_size=V, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=24, max_position_embeddings=128, tie_word_embeddings=True,
+            pad_token_id=0)),
+        "qwen3-gqa": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(
+            vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-5, pad_token_id=0)),
+        "qwen3-tied-llama3-rope": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(
+            vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
+            rope_parameters=dict(LLAMA3_ROPE), pad_token_id=0)),
+    }
+
+
+FAMILIES = list(_models())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(transformers model with every parameter perturbed, its folder, the same weights imported by pretune)."""
+    torch.manual_seed(0)
+    hf = _models()[request.param]()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb every tensor so each one is tested
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.eval().save_pretrained(path)
+    return hf, path, pretune.from_hf(path)
+
+
+def _padded(T_: int = 11):
+    """Three rows: the first full, the others right-padded (for logits)."""
+    ids = torch.randint(3, V, (3, T_), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, T_ - 4:] = 0
+    mask[2, 4:] = 0
+    return ids, mask
+
+
+def _assert_same_logits(hf, ours, ids, mask):
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-4, rtol=1e-4)
+
+
+def test_the_import_uses_the_family_option(pair):
+    hf, _, ours = pair
+    cfg, hc = ours.config, hf.config
+    assert cfg.qkv_bias == (hc.model_type == "qwen2")
+    assert cfg.qk_norm == (hc.model_type == "qwen3")
+    assert cfg.dh == getattr(hc, "head_dim", hc.hidden_size // hc.num_attention_heads)
+    assert cfg.kv_heads == hc.num_key_value_heads
+    assert cfg.rope_scaling == hc.rope_parameters["rope_type"].replace("default", "none")
+    attn = ours.transformer.decoder.layers[0].attn
+    assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None) == (cfg.qkv_bias, False)
+    if cfg.rope_scaling == "llama3":  # the config reaches the three regimes of the scaling
+        plain = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.dh, 2).float() / cfg.dh))
+        ratio = plain / ours.transformer.decoder.position.inv_freq
+        assert ratio[0] == 1 and ratio[-1] == pytest.approx(cfg.rope_factor)
+        assert ((ratio > 1.001) & (ratio < cfg.rope_factor - 0.001)).sum() >= 2
+
+
+def test_from_hf_logits_match(pair):
+    hf, _, ours = pair
+    _assert_same_logits(hf, ours, *_padded())
+    _assert_same_logits(hf, ours, *_padded(100))  # positions beyond llama3's original context of 64
+
+
+def _left_padded():
+    ids = torch.randint(3, V, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("options", [{}, dict(num_beams=3), dict(num_beams=4, num_return_sequences=2,
+                                                                 length_penalty=0.6)],
+                         ids=["greedy", "beam3", "beam4-two"])
+def test_generate_gives_the_tokens_of_transformers(pair, options):
+    """Left-padded batch; EOS is the token greedy decoding of row 0 makes third, so that rows end early."""
+    hf, _, ours = pair
+    ids, mask = _left_padded()
+    with torch.no_grad():
+        probe = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, min_new_tokens=4,
+                            eos_token_id=None, pad_token_id=2)
+        eos = int(probe[0, ids.shape[1] + 2])
+        kw = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=2, **options)
+        want = hf.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    got = generate(ours, ids, mask, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if not options:
+        assert (got[:, ids.shape[1]:-1] == eos).any()
+
+
+def test_to_hf_loads_in_transformers_with_same_logits(pair, tmp_path):
+    hf, path, _ = pair
+    ours = pretune.from_hf(path)
+    with torch.no_grad():  # weights that differ from the source, so the export is really tested
+        for p in ours.parameters():
+            p.add_(0.01)
+    pretune.to_hf(ours, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == hf.config.model_type
+    reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(reloaded) is type(hf)
+    assert reloaded.config.rope_parameters["rope_type"] == hf.config.rope_parameters["rope_type"]
+    _assert_same_logits(reloaded, ours, *_padded(100))
+
+
+def test_round_trip_is_identical(pair, tmp_path):
+    _, _, ours = pair
+    pretune.to_hf(ours, tmp_path / "rt")
+    again = pretune.from_hf(tmp_path / "rt")
+    assert again.config == ours.config
+    a, b = ours.state_dict(), again.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_lora_on_the_imported_model_trains(pair):
+    """LoRA on every linear of the block (the biased q/k/v of Qwen2 too): a no-op at init, then a forward and
+    backward reach the adapters only."""
+    _, path, plain = pair
+    ours = pretune.from_hf(path)
+    ppeft.inject(ours, ppeft.PeftConfig(method="lora", r=4, alpha=8, targets=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]), "mine")
+    ids, mask = _padded()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+    ours.train()
+    logits = ours(ids, attention_mask=mask).logits
+    loss = F.cross_entropy(logits[:, :-1][mask[:, 1:].bool()], ids[:, 1:][mask[:, 1:].bool()])
+    loss.backward()
+    adapters = ppeft.adapter_parameters(ours, "mine")
+    assert adapters and all(p.grad is not None and torch.isfinite(p.grad).all() for p in adapters.values())
+    assert any(p.grad.abs().sum() > 0 for p in adapters.values())
+    assert all(p.grad is None for n, p in ours.named_parameters() if n not in adapters)
