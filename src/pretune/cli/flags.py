@@ -39,7 +39,7 @@ PRETRAIN_FLAGS = (
 FINETUNE_FLAGS = (
     Flag("--model", "model.init", "checkpoint, Hugging Face or adapter folder to start from"),
     Flag("--preset", "model.preset", "train a preset from scratch instead (needs --tokenizer)"),
-    Flag("--task", "task.name", "classification, pair, regression, tagging, qa, seq2seq, choice or multilabel"),
+    Flag("--task", "task.name", "classification, pair, regression, tagging, qa, seq2seq, sft, choice or multilabel"),
     Flag("--tokenizer", "tokenizer", "tokenizer.json or folder (default: the model's)"),
     Flag("--train", "data.train", "training records"),
     Flag("--dev", "data.dev", "dev records (default: 10%% of train held out)"),

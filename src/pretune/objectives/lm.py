@@ -16,6 +16,9 @@ def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,
     against targets (N,) with -100 ignored. A plain (tied) linear head is fused with the loss, so the
     (N, vocab) logits never exist; then accuracy is not computed (None)."""
     head = model.head
+    if n_valid < 0.9 * targets.numel():  # completion-only labels (SFT): the head sees only the rows that have one
+        keep = targets != IGNORE
+        h, targets = h[keep], targets[keep]
     if isinstance(head, LMHead) and head.proj is None:
         if head.scale is not None:
             h = h * head.scale

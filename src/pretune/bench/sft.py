@@ -1,0 +1,266 @@
+"""``pretune bench sft``: a LoRA SFT training step of SmolLM2-135M-Instruct, pretune against transformers + peft on
+identical token ids and labels; and how fast the SFT task scores test examples by generation.
+
+The batch (8 rows x 256 tokens by default) is built once, the same way for every side: sms_spam messages as a
+multi-turn chat ("Is this SMS message spam? Answer ham or spam." / "ham"), rendered with SmolLM2's chat template by
+pretune's SFT task, labels on the assistant turns only (-100 elsewhere: about 1 token in 12 is a target), each
+row cut at 256 tokens. Both sides train LoRA r=8 (alpha 16, no dropout) on q_proj and v_proj of the same
+checkpoint, AdamW on the adapter weights; one step = forward, loss, backward, optimizer step.
+
+* pretune: ``load_pretrained`` + ``pretune.peft`` LoRA; the loss is the SFT task's (the LM head runs only on the
+  labelled rows, fused with the cross-entropy);
+* peft: ``AutoModelForCausalLM`` (SDPA) + ``peft.get_peft_model``; ``model(input_ids, attention_mask,
+  labels).loss``, as a transformers/TRL training loop computes it.
+
+Each measurement runs in its own process, the sides alternate (the order reversed every other round); the step
+time is the median of the timed steps, tokens/s = batch x seq / step time, peak memory is the process's peak RSS.
+``--eval N`` also times the evaluation of N sms_spam test records by the SFT task (batched greedy generation
+through ``generate()`` with the KV cache, stopping at the end of turn) in its own process.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from .common import add_run_arguments, spawn_worker
+
+IMPLS = ("pretune", "peft")
+TARGET_SPEED = 1.5  # pretune tokens/s at least this many times peft's
+TARGET_MEMORY = 0.8  # at no more than this share of peft's peak RSS
+PROMPT = "Is this SMS message spam? Answer ham or spam.\n\n{text}"
+
+
+@dataclass
+class Job:
+    impl: str
+    dtype: str = "fp32"
+    batch: int = 8
+    seq: int = 256
+    r: int = 8
+    steps: int = 5
+    warmup: int = 2
+    threads: int = 0
+    eval_records: int = 0  # impl "eval": score this many test records
+    batch_file: str = ""  # the batch (.npz of input_ids, attention_mask, labels), built once by the parent
+
+
+def build_batch(folder, batch: int, seq: int) -> dict:
+    """(input_ids, attention_mask, labels) numpy arrays of ``batch`` rows of ``seq`` tokens: each row one chat of
+    as many sms_spam exchanges as fit, labels on the assistant turns."""
+    import json
+
+    import numpy as np
+
+    from .. import bundled
+    from ..loading import load_pretrained
+    from ..tasks import TaskConfig, build_task
+    from ..tasks.base import Record
+
+    loaded = load_pretrained(folder)
+    task = build_task(TaskConfig(name="sft", max_len=seq + 64), loaded.model.config, loaded.tokenizer)
+    lines = bundled.path("tasks/sms_spam/train.jsonl").read_text(encoding="utf-8").splitlines()
+    recs = iter(json.loads(x) for x in lines if x)
+    rows = []
+    while len(rows) < batch:
+        msgs: list[dict] = []
+        ids = None
+        while ids is None or len(ids) < seq:
+            r = next(recs)
+            msgs += [{"role": "user", "content": PROMPT.format(text=r["text"])},
+                     {"role": "assistant", "content": r["label"]}]
+            feat = task.encode(Record(f"train.jsonl:{len(rows)}", {"messages": msgs}))[0]
+            ids, labels = feat["input_ids"], feat["labels"]
+        rows.append((ids[:seq], labels[:seq]))
+    input_ids = np.stack([r[0] for r in rows])
+    return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids),
+            "labels": np.stack([r[1] for r in rows])}
+
+
+def _train_step_fn(job: Job, folder, batch):
+    import torch
+
+    if job.impl == "pretune":
+        from .. import peft
+        from ..loading import load_pretrained
+        from ..tasks import TaskConfig, build_task
+
+        loaded = load_pretrained(folder)
+        model = loaded.model
+        peft.inject(model, peft.PeftConfig(method="lora", r=job.r, alpha=2 * job.r, dropout=0.0,
+                                           targets=["q_proj", "v_proj"]))
+        task = build_task(TaskConfig(name="sft", max_len=job.seq), model.config, loaded.tokenizer)
+        b = {k: torch.from_numpy(v) for k, v in batch.items()}
+        n = task.counts(b)
+
+        def loss_fn():
+            return task.loss(model, b, n)[0]
+    else:
+        import peft as hf_peft
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+        model = hf_peft.get_peft_model(model, hf_peft.LoraConfig(r=job.r, lora_alpha=2 * job.r, lora_dropout=0.0,
+                                                                 target_modules=["q_proj", "v_proj"]))
+        b = {k: torch.from_numpy(v) for k, v in batch.items()}
+
+        def loss_fn():
+            return model(**b).loss
+    model.train()
+    return model, loss_fn
+
+
+def run_worker(job: Job) -> dict:
+    import torch
+
+    from ..realmodels import smollm2_dir
+
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    torch.manual_seed(0)
+    folder = smollm2_dir()
+    if job.impl == "eval":
+        return _eval_worker(job, folder)
+    import numpy as np
+
+    with np.load(job.batch_file) as f:
+        batch = {k: f[k] for k in ("input_ids", "attention_mask", "labels")}
+    model, loss_fn = _train_step_fn(job, folder, batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    times, losses = [], []
+    for i in range(job.warmup + job.steps):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=job.dtype == "bf16"):
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= job.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    step = statistics.median(times)
+    return {"step_s": step, "tokens_per_s": job.batch * job.seq / step, "first_loss": losses[0],
+            "targets": int((batch["labels"][:, 1:] != -100).sum()), "trainable": sum(p.numel() for p in params),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "threads": torch.get_num_threads()}
+
+
+def _eval_worker(job: Job, folder) -> dict:
+    import json
+
+    from .. import bundled
+    from ..inference import evaluate_task
+    from ..loading import load_pretrained
+    from ..tasks import TaskConfig, build_task
+    from ..tasks.base import Record
+
+    loaded = load_pretrained(folder)
+    task = build_task(TaskConfig(name="sft", chat=True, prompt_template=PROMPT, completion_field="label",
+                                 max_len=192, max_target_len=4), loaded.model.config, loaded.tokenizer)
+    lines = bundled.path("tasks/sms_spam/test.jsonl").read_text(encoding="utf-8").splitlines()
+    recs = [Record(f"test.jsonl:{i + 1}", json.loads(x)) for i, x in enumerate(lines[: job.eval_records])]
+    t0 = time.perf_counter()
+    metrics, _ = evaluate_task(task, loaded.model, recs, batch_size=16, precision=job.dtype)
+    seconds = time.perf_counter() - t0
+    return {"eval_s": seconds, "records_per_s": len(recs) / seconds, "accuracy": metrics.get("accuracy"),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0, **job_kw) -> list[dict]:
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..realmodels import smollm2_dir
+
+    samples: dict[tuple, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="pretune-bench-sft-") as tmp:
+        batch_file = str(Path(tmp) / "batch.npz")
+        np.savez(batch_file, **build_batch(smollm2_dir(), job_kw.get("batch", 8), job_kw.get("seq", 256)))
+        plan = []
+        for r in range(rounds):
+            for dt in dtypes:
+                order = IMPLS if r % 2 == 0 else tuple(reversed(IMPLS))
+                plan += [Job(impl, dt, batch_file=batch_file, **job_kw) for impl in order]
+        if eval_records:
+            plan += [Job("eval", dt, eval_records=eval_records, threads=job_kw.get("threads", 0)) for dt in dtypes]
+        for job in tqdm(plan, desc="bench sft", unit="run"):
+            samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.sft"))
+    rows = []
+    for dt in dtypes:
+        row = {"bench": "sft", "dtype": dt, **job_kw}
+        for impl in IMPLS:
+            runs = samples[(dt, impl)]
+            row[f"{impl}_tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in runs)
+            row[f"{impl}_runs"] = [round(x["tokens_per_s"], 1) for x in runs]
+            row[f"{impl}_peak_rss_mb"] = max(x["peak_rss_mb"] for x in runs)
+            row[f"{impl}_first_loss"] = runs[0]["first_loss"]
+            row[f"{impl}_trainable"] = runs[0]["trainable"]
+        row["targets"] = samples[(dt, "pretune")][0]["targets"]
+        row["speed_ratio"] = row["pretune_tokens_per_s"] / row["peft_tokens_per_s"]
+        row["memory_ratio"] = row["pretune_peak_rss_mb"] / row["peft_peak_rss_mb"]
+        row["target_met"] = bool(row["speed_ratio"] >= TARGET_SPEED and row["memory_ratio"] <= TARGET_MEMORY)
+        if (dt, "eval") in samples:
+            e = samples[(dt, "eval")][0]
+            row.update(eval_records=eval_records, eval_s=e["eval_s"], eval_records_per_s=e["records_per_s"],
+                       eval_accuracy=e["accuracy"])
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        lines.append(f"{r['dtype']}: LoRA SFT step, SmolLM2-135M, batch {r['batch']} x {r['seq']} "
+                     f"({r['targets']} labelled targets)")
+        head = f"  {'side':<9}{'tokens/s':>10}{'peak MB':>9}{'first loss':>12}  rounds"
+        lines += [head, "  " + "-" * (len(head) + 20)]
+        for impl in IMPLS:
+            lines.append(f"  {impl:<9}{r[f'{impl}_tokens_per_s']:>10.0f}{r[f'{impl}_peak_rss_mb']:>9.0f}"
+                         f"{r[f'{impl}_first_loss']:>12.4f}  {r[f'{impl}_runs']}")
+        lines.append(f"  pretune vs peft: {r['speed_ratio']:.2f}x tokens/s at {r['memory_ratio']:.2f}x peak memory "
+                     f"(target >= {TARGET_SPEED:g}x at <= {TARGET_MEMORY:g}x: "
+                     f"{'met' if r['target_met'] else 'NOT met'})")
+        if "eval_s" in r:
+            lines.append(f"  evaluation: {r['eval_records']} test records in {r['eval_s']:.1f} s "
+                         f"({r['eval_records_per_s']:.2f} records/s), zero-shot accuracy {r['eval_accuracy']:.4f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="bf16 = fp32 weights under torch.autocast(bfloat16); slow without native bf16")
+    add_run_arguments(p)
+    p.add_argument("--batch", type=int, default=8, help="(default 8)")
+    p.add_argument("--seq", type=int, default=256, help="(default 256)")
+    p.add_argument("--r", type=int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--eval", type=int, default=100, metavar="N",
+                   help="also time scoring N sms_spam test records by generation (default 100; 0: skip)")
+
+
+def run_cli(args) -> int:
+    rows = bench_sft(dtypes=tuple(args.dtypes), rounds=args.rounds, eval_records=args.eval, batch=args.batch,
+                     seq=args.seq, r=args.r, steps=args.steps, warmup=args.warmup, threads=args.threads)
+    from .common import report
+
+    return report(rows, format_rows(rows), args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .common import bench_main
+
+    return bench_main(argv, prog="pretune bench sft", doc=__doc__, job_cls=Job, run_worker=run_worker,
+                      add_arguments=add_arguments, run_cli=run_cli)
+
+
+if __name__ == "__main__":  # python -m pretune.bench.sft '{"impl": ...}' (worker) or flags (stand-alone)
+    sys.exit(main())

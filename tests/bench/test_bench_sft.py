@@ -1,0 +1,51 @@
+"""`pretune bench sft`: the batch both sides train on, the two sides computing the same loss, and the table."""
+
+import numpy as np
+import pytest
+
+from pretune.bench.sft import IMPLS, Job, build_batch, format_rows, run_worker
+
+
+def smollm2():
+    from pretune import realmodels
+
+    try:
+        return realmodels.smollm2_dir()
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(str(e))
+
+
+def test_batch_is_full_rows_of_chat_with_labels_on_the_answers():
+    from pretune.tokenization import Tokenizer
+
+    folder = smollm2()
+    batch = build_batch(folder, 2, 128)
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 128) and batch["attention_mask"].all()
+    tok = Tokenizer.load(folder)
+    labelled = batch["labels"][0] != -100
+    assert 0 < labelled.sum() < 0.2 * labelled.size  # completion-only: a few answer tokens per exchange
+    answers = tok.decode(batch["input_ids"][0][labelled]).split("<|im_end|>")
+    assert {a.strip() for a in answers if a.strip()} <= {"ham", "spam"}
+    np.testing.assert_array_equal(batch["labels"][0][labelled], batch["input_ids"][0][labelled])
+
+
+@pytest.mark.slow
+def test_both_sides_start_from_the_same_loss(tmp_path):
+    pytest.importorskip("peft")
+    folder = smollm2()
+    np.savez(tmp_path / "b.npz", **build_batch(folder, 1, 64))
+    res = {impl: run_worker(Job(impl, batch=1, seq=64, steps=1, warmup=0, batch_file=str(tmp_path / "b.npz")))
+           for impl in IMPLS}
+    assert res["pretune"]["first_loss"] == pytest.approx(res["peft"]["first_loss"], abs=1e-4)
+    assert res["pretune"]["trainable"] == res["peft"]["trainable"] == 30 * 8 * (576 + 576 + 576 + 192)
+
+
+def test_format_rows_reports_ratios_and_target():
+    row = {"dtype": "bf16", "batch": 8, "seq": 256, "targets": 121, "speed_ratio": 1.6, "memory_ratio": 0.7,
+           "target_met": True, "eval_records": 100, "eval_s": 20.0, "eval_records_per_s": 5.0, "eval_accuracy": 0.5}
+    for impl, tps in zip(IMPLS, (1600.0, 1000.0)):
+        row.update({f"{impl}_tokens_per_s": tps, f"{impl}_peak_rss_mb": 700.0, f"{impl}_first_loss": 1.1,
+                    f"{impl}_runs": [tps]})
+    text = format_rows([row])
+    assert "pretune vs peft: 1.60x tokens/s at 0.70x peak memory (target >= 1.5x at <= 0.8x: met)" in text
+    assert "100 test records in 20.0 s (5.00 records/s)" in text
