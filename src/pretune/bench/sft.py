@@ -99,8 +99,9 @@ def _train_step_fn(job: Job, folder, batch):
         def loss_fn():
             return task.loss(model, b, n)[0]
     else:
-        import peft as hf_peft
         import transformers
+
+        import peft as hf_peft
 
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                   attn_implementation="sdpa")
