@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import pretune
 from pretune.objectives import causal_lm_loss, masked_lm_loss
-from pretune.objectives.fused_ce import fused_linear_cross_entropy
+from pretune.model.fused_ce import fused_linear_cross_entropy
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])

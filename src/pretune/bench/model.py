@@ -17,7 +17,11 @@ from dataclasses import dataclass
 SHAPES = {  # the benchmark models of the model-core issue: 6 layers, dim 512, 8 heads, vocab 8192
     "gpt": dict(n_layers=6, dim=512, n_heads=8, ffn_dim=2048, vocab_size=8192),
     "bert": dict(n_layers=6, dim=512, n_heads=8, ffn_dim=2048, vocab_size=8192),
+    "llama": dict(n_layers=6, dim=512, n_heads=8, ffn_dim=1376, vocab_size=8192),
 }
+# --loop labels: a user's plain loop (model(**batch).loss + AdamW) on each family's real vocabulary, where the
+# LM head's logits are a large part of the memory
+REAL_VOCAB = {"gpt": 50257, "bert": 30522, "llama": 32000}
 
 
 @dataclass
@@ -31,6 +35,15 @@ class Job:
     warmup: int = 3
     threads: int = 0  # 0: torch default
     dropout: float = 0.1
+    loop: str = "objective"  # objective: pretune's objective functions, forward + backward; labels: both sides
+    # model(input_ids, labels=...).loss + backward + AdamW step, on the family's real vocabulary size
+
+
+def _shape(job: Job) -> dict:
+    shape = dict(SHAPES[job.family])
+    if job.loop == "labels":
+        shape["vocab_size"] = REAL_VOCAB[job.family]
+    return shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,17 +52,24 @@ class Job:
 def _build(job: Job):
     import torch
 
-    shape = SHAPES[job.family]
+    shape = _shape(job)
     max_len = max(512, job.seq)
     if job.impl == "pretune":
         from ..model import build_model
 
-        preset = "gpt2" if job.family == "gpt" else "bert-base"
-        model = build_model(preset, **shape, max_seq_len=max_len, dropout=job.dropout, attn_dropout=job.dropout)
+        preset = {"gpt": "gpt2", "bert": "bert-base", "llama": "llama"}[job.family]
+        extra = (dict(dropout=job.dropout, attn_dropout=job.dropout) if job.family != "llama" else
+                 dict(n_kv_heads=shape["n_heads"], tie_embeddings=False, rope_base=10000.0))  # LlamaConfig's
+        model = build_model(preset, **shape, max_seq_len=max_len, **extra)
     else:
         import transformers as T
 
-        if job.family == "gpt":
+        if job.family == "llama":
+            model = T.LlamaForCausalLM(T.LlamaConfig(
+                vocab_size=shape["vocab_size"], hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
+                num_attention_heads=shape["n_heads"], intermediate_size=shape["ffn_dim"],
+                max_position_embeddings=max_len))
+        elif job.family == "gpt":
             cfg = T.GPT2Config(vocab_size=shape["vocab_size"], n_embd=shape["dim"], n_layer=shape["n_layers"],
                                n_head=shape["n_heads"], n_inner=shape["ffn_dim"], n_positions=max_len,
                                resid_pdrop=job.dropout, embd_pdrop=job.dropout, attn_pdrop=job.dropout)
@@ -64,7 +84,7 @@ def _build(job: Job):
     model.train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (job.batch, job.seq), generator=g)
-    if job.family == "gpt":
+    if job.family != "bert":
         labels = ids
     else:  # 15% of positions carry an MLM target, the rest are ignored (-100)
         labels = torch.where(torch.rand(ids.shape, generator=g) < 0.15, ids, torch.full_like(ids, -100))
@@ -72,10 +92,12 @@ def _build(job: Job):
 
 
 def _step_fn(job: Job, model, ids, labels):
+    if job.loop == "labels":  # the same line on both sides
+        return lambda: model(input_ids=ids, labels=labels).loss
     if job.impl == "pretune":
         from ..objectives import causal_lm_loss, masked_lm_loss
 
-        if job.family == "gpt":
+        if job.family != "bert":
             return lambda: causal_lm_loss(model, ids)
         return lambda: masked_lm_loss(model, ids, labels)
     return lambda: model(input_ids=ids, labels=labels).loss
@@ -84,14 +106,14 @@ def _step_fn(job: Job, model, ids, labels):
 def _flops_per_token(model_params: int, job: Job) -> float:
     """Training FLOPs per token: 6 * (matmul parameters) + 12 * layers * seq * dim for attention
     scores and values (Kaplan et al. 2020 / PaLM appendix B)."""
-    shape = SHAPES[job.family]
+    shape = _shape(job)
     return 6 * model_params + 12 * shape["n_layers"] * job.seq * shape["dim"]
 
 
 def _matmul_params(job: Job) -> int:
-    s = SHAPES[job.family]
+    s = _shape(job)
     d, f, v, L = s["dim"], s["ffn_dim"], s["vocab_size"], s["n_layers"]
-    per_layer = 4 * d * d + 2 * d * f
+    per_layer = 4 * d * d + (3 if job.family == "llama" else 2) * d * f
     head = d * v + (d * d if job.family == "bert" else 0)  # BERT's MLM head has a dense transform
     return L * per_layer + head
 
@@ -104,8 +126,11 @@ def run_worker(job: Job) -> dict:
     torch.manual_seed(0)
     if job.impl == "matmul":
         return _matmul_peak(job)
+    import resource
+
     model, ids, labels = _build(job)
     step = _step_fn(job, model, ids, labels)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if job.loop == "labels" else None
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if job.dtype == "bf16" else None
     times = []
     for i in range(job.warmup + job.steps):
@@ -116,14 +141,17 @@ def run_worker(job: Job) -> dict:
         else:
             loss = step()
         loss.backward()
+        if opt is not None:
+            opt.step()
         for p in model.parameters():
             p.grad = None
         if i >= job.warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     tokens = job.batch * job.seq
-    return {"tokens_per_s": tokens / step_s, "step_s": step_s, "loss": float(loss),
-            "flops_per_token": _flops_per_token(_matmul_params(job), job), "threads": torch.get_num_threads()}
+    return {"tokens_per_s": tokens / step_s, "step_s": step_s, "loss": float(loss.detach()),
+            "flops_per_token": _flops_per_token(_matmul_params(job), job), "threads": torch.get_num_threads(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _matmul_peak(job: Job) -> dict:
@@ -148,7 +176,7 @@ def _matmul_peak(job: Job) -> dict:
 # ---------------------------------------------------------------------------------------------
 def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: int = 3, steps: int = 10,
                 warmup: int = 3, batch: int = 8, seq: int = 256, threads: int = 0, dropout: float = 0.1,
-                impls=("pretune", "transformers"), echo=print) -> list[dict]:
+                impls=("pretune", "transformers"), loop: str = "objective", echo=print) -> list[dict]:
     """Alternate pretune and transformers, one process per measurement, ``rounds`` times each;
     return one row per (family, dtype) with median tokens/s, ratio and MFU."""
     from tqdm import tqdm
@@ -165,7 +193,7 @@ def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: in
                 order = impls if r % 2 == 0 else tuple(reversed(impls))  # alternate who goes first
                 for impl in order:
                     plan.append(Job(impl, fam, dt, batch=batch, seq=seq, steps=steps, warmup=warmup,
-                                    threads=threads, dropout=dropout))
+                                    threads=threads, dropout=dropout, loop=loop))
     for job in tqdm(plan, desc="bench model", unit="run"):
         res = spawn_worker(job, "pretune.bench.model")
         if job.impl == "matmul":
@@ -176,27 +204,33 @@ def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: in
     for fam in families:
         for dt in dtypes:
             peak = max(peaks[dt])
-            row = {"model": fam, "dtype": dt, "peak_gflops": peak / 1e9}
+            row = {"model": fam, "dtype": dt, "peak_gflops": peak / 1e9, "loop": loop}
             for impl in impls:
                 runs = samples[(fam, dt, impl)]
                 tps = statistics.median(r["tokens_per_s"] for r in runs)
                 row[f"{impl}_tokens_per_s"] = tps
                 row[f"{impl}_runs"] = [round(r["tokens_per_s"], 1) for r in runs]
                 row[f"{impl}_mfu"] = tps * runs[0]["flops_per_token"] / peak
+                row[f"{impl}_peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
             if len(impls) == 2:
                 row["ratio"] = row[f"{impls[0]}_tokens_per_s"] / row[f"{impls[1]}_tokens_per_s"]
+                row["memory_ratio"] = row[f"{impls[0]}_peak_rss_mb"] / row[f"{impls[1]}_peak_rss_mb"]
             rows.append(row)
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
     head = (f"{'model':<6}{'dtype':<6}{'pretune tok/s':>14}{'HF tok/s':>10}{'ratio':>7}"
-            f"{'pretune MFU':>13}{'HF MFU':>8}{'peak GFLOP/s':>14}")
+            f"{'pretune MFU':>13}{'HF MFU':>8}{'peak GFLOP/s':>14}{'memory':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        mem = f"{r['memory_ratio']:>7.2f}x" if "memory_ratio" in r else ""
         lines.append(f"{r['model']:<6}{r['dtype']:<6}{r['pretune_tokens_per_s']:>14.0f}"
                      f"{r['transformers_tokens_per_s']:>10.0f}{r['ratio']:>7.2f}"
-                     f"{r['pretune_mfu']:>12.1%}{r['transformers_mfu']:>9.1%}{r['peak_gflops']:>14.0f}")
+                     f"{r['pretune_mfu']:>12.1%}{r['transformers_mfu']:>9.1%}{r['peak_gflops']:>14.0f}{mem}")
+    if rows and rows[0].get("loop") == "labels":
+        lines.append("loop: model(input_ids, labels=...).loss + backward + AdamW on both sides (real vocabularies); "
+                     "memory = pretune / transformers peak RSS")
     return "\n".join(lines)
 
 

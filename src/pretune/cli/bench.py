@@ -11,7 +11,7 @@ def cmd_bench(args) -> int:
 
     rows = bench_model(families=args.models, dtypes=args.dtypes, rounds=args.rounds, steps=args.steps,
                        warmup=args.warmup, batch=args.batch, seq=args.seq, threads=args.threads,
-                       dropout=args.dropout)
+                       dropout=args.dropout, loop=args.loop)
     from ..bench.common import report
 
     return report(rows, format_rows(rows), args.json)
@@ -34,7 +34,12 @@ def add_bench_parser(sub) -> None:
                         "BERT-style model (6 layers, dim 512, 8 heads, vocab 8192) against transformers' "
                         "GPT2LMHeadModel / BertForMaskedLM. Every measurement runs in its own process, "
                         "implementations alternate, medians over --rounds are reported.")
-    b.add_argument("--models", nargs="+", default=["gpt", "bert"], choices=["gpt", "bert"])
+    b.add_argument("--models", nargs="+", default=["gpt", "bert"], choices=["gpt", "bert", "llama"])
+    b.add_argument("--loop", default="objective", choices=["objective", "labels"],
+                   help="objective: pretune's objective functions, forward + backward (default); labels: the loop "
+                   "users write, model(input_ids, labels=...).loss + backward + AdamW on both sides, on each "
+                   "family's real vocabulary (GPT-2 50257, BERT 30522 with 15%% of rows labelled, Llama 32000), "
+                   "with peak memory")
     b.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                    help="bf16 = fp32 weights under torch.autocast(bfloat16)")
     add_run_arguments(b, threads="torch's default")

@@ -10,8 +10,11 @@ from torch import nn
 
 from ..config import TASK_HEADS, ModelConfig
 from .cache import KVCache
-from .heads import HEADS, Pooler
+from .fused_ce import fused_linear_cross_entropy
+from .heads import HEADS, LMHead, Pooler
 from .transformer import Transformer
+
+IGNORE = -100  # label of a position that has no target (transformers' ignore_index)
 
 __all__ = ["TransformerLM", "ModelOutput", "KVCache", "build_model", "count_parameters"]
 
@@ -26,6 +29,7 @@ class ModelOutput:
     encoder_last_hidden_state: torch.Tensor | None = None  # (B, S, dim) encoder-decoder only
     pooler_output: torch.Tensor | None = None  # (B, dim) when the config has a BERT pooler
     past_key_values: KVCache | None = None  # the updated cache when use_cache=True
+    loss: torch.Tensor | None = None  # () mean loss over the labelled targets when ``labels`` were given
 
 
 class TransformerLM(nn.Module):
@@ -68,6 +72,8 @@ class TransformerLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
     ) -> ModelOutput:
         """Run the model.
 
@@ -83,6 +89,15 @@ class TransformerLM(nn.Module):
             logits_to_keep: n > 0: language-model logits for the last n positions only, (B, n, vocab) (generation
                 needs the last one: a long prompt then never materialises (T, vocab) logits); 0: every position.
                 Task heads ignore it.
+            labels: the targets of the head, as transformers takes them, for ``output.loss`` (a mean over the
+                labelled targets, -100 ignored): a decoder's token ids aligned with ``input_ids`` (shifted inside:
+                position t predicts label t + 1); masked-LM labels (-100 on the rows that were not masked; the
+                head runs on the labelled rows only); an encoder-decoder's target ids (``decoder_input_ids``, if
+                not given, are the labels shifted right after the decoder start token); a class id per row
+                (classification; regression: a value, mean squared error; multi-label: 0/1 per label, binary
+                cross-entropy); a tag id per token (tagging). A language-model head is fused with the
+                cross-entropy, so the (N, vocab) logits are never built.
+            return_logits: also return the logits; default (None): only when no ``labels`` are given.
         """
         cfg = self.config
         if prefix_lengths is not None and cfg.arch != "decoder":
@@ -101,6 +116,8 @@ class TransformerLM(nn.Module):
             h = body.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
                             prefix_lengths=prefix_lengths, cache=cache)
         else:
+            if decoder_input_ids is None and labels is not None:
+                decoder_input_ids = self._shift_right(labels)
             if decoder_input_ids is None:
                 raise ValueError("an encoder-decoder model needs decoder_input_ids (B, T_dec)")
             encoder_out = encoder_hidden_states
@@ -109,17 +126,65 @@ class TransformerLM(nn.Module):
             h = body.decode(decoder_input_ids, decoder_attention_mask, memory=encoder_out,
                             memory_mask=attention_mask, position_ids=position_ids, cache=cache)
         pooled = self.pooler(h) if self.pooler is not None else None
+        want_logits = labels is None if return_logits is None else return_logits
+        loss = logits = None
         if self.task_head:
             logits = self.head(h, attention_mask, pooled)
-        else:
-            logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h) if self.head is not None else None
+            if labels is not None:
+                loss = self._task_loss(logits, labels)
+        elif self.head is not None:
+            if labels is not None:
+                loss = self._lm_loss(h, labels, shift=cfg.arch == "decoder" and cfg.head == "lm")
+            if want_logits:
+                logits = self.head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        elif labels is not None:
+            raise ValueError("labels given but the model has no head (head='none'): nothing to compute a loss with")
         return ModelOutput(
             last_hidden_state=h,
-            logits=logits,
+            logits=logits if want_logits else None,
             encoder_last_hidden_state=encoder_out,
             pooler_output=pooled,
             past_key_values=cache,
+            loss=loss,
         )
+
+    def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs of an encoder-decoder from its labels: the start token, then the labels but the last, -100
+        read as padding (transformers' ``_shift_right``)."""
+        start = torch.full_like(labels[:, :1], self.config.decoder_start_token_id)
+        shifted = torch.cat([start, labels[:, :-1]], dim=1)
+        return shifted.masked_fill(shifted == IGNORE, self.config.pad_token_id)
+
+    def _lm_loss(self, h: torch.Tensor, labels: torch.Tensor, *, shift: bool) -> torch.Tensor:
+        """Mean cross-entropy of the LM / MLM head over the labelled positions; the head runs on those rows only."""
+        if shift:  # state t predicts token t + 1
+            h, labels = h[:, :-1], labels[:, 1:]
+        h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1).to(h.device)
+        keep = labels != IGNORE
+        if not bool(keep.all()):
+            h, labels = h[keep], labels[keep]
+        head = self.head
+        if isinstance(head, LMHead) and head.fusable:
+            x = h * head.scale if head.scale is not None else h
+            if head.proj is not None:
+                x = head.proj(x)
+            return fused_linear_cross_entropy(x, head.weight, labels)
+        if labels.numel() == 0:
+            return h.sum() * 0.0  # nothing labelled: 0 with zero gradients (cross_entropy would give NaN)
+        return nn.functional.cross_entropy(head(h).float(), labels)
+
+    def _task_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """transformers' loss of a task head: MSE (regression), BCE (multi-label), else cross-entropy (-100 ignored)."""
+        cfg = self.config
+        if cfg.head == "qa":
+            raise ValueError("a QA head's loss needs start and end positions, not labels: use pretune's qa task "
+                             "(tasks/qa.py) or cross-entropy on logits[..., 0] and logits[..., 1]")
+        if cfg.head == "regression":
+            return nn.functional.mse_loss(logits.float().squeeze(-1), labels.float().view(-1))
+        if cfg.multi_label:
+            return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                           ignore_index=IGNORE)
 
     def num_parameters(self) -> int:
         return count_parameters(self)["total"]

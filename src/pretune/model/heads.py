@@ -21,6 +21,8 @@ class LMHead(nn.Module):
         if not cfg.tie_embeddings:
             nn.init.normal_(self.weight, std=0.02)
 
+    fusable = True  # logits = linear((h * scale) proj, weight): a loss may fuse the last matmul with softmax
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: (B, T, dim) -> logits (B, T, vocab)."""
         if self.scale is not None:

@@ -7,7 +7,7 @@ import torch
 
 from ..model.heads import LMHead
 from .base import IGNORE, Objective, summed_ce
-from .fused_ce import fused_linear_cross_entropy
+from ..model.fused_ce import fused_linear_cross_entropy
 
 
 def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,
@@ -19,7 +19,7 @@ def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,
     if n_valid < 0.9 * targets.numel():  # completion-only labels (SFT): the head sees only the rows that have one
         keep = targets != IGNORE
         h, targets = h[keep], targets[keep]
-    if isinstance(head, LMHead) and head.proj is None:
+    if isinstance(head, LMHead) and head.fusable and head.proj is None:
         if head.scale is not None:
             h = h * head.scale
         return fused_linear_cross_entropy(h, head.weight, targets) * n_valid, None

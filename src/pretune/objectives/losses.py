@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.heads import LMHead
-from .fused_ce import fused_linear_cross_entropy
+from ..model.fused_ce import fused_linear_cross_entropy
 
 IGNORE_INDEX = -100
 
