@@ -345,8 +345,14 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
     records = task.records()  # how the model reads text after this run (a decoder's layout), saved with it
     if any(getattr(model.config, k) != v for k, v in records.items()):
         model.config = model.transformer.config = model.config.replace(**records)
-    feats = {split: encode_records(task, recs, show_progress=show_progress, desc=f"encode {split}")
-             for split, recs in (("train", train_recs), ("dev", dev_recs), ("test", test_recs))}
+    feats = {}
+    for split, recs in (("train", train_recs), ("dev", dev_recs), ("test", test_recs)):
+        before = getattr(task, "truncated", 0)
+        feats[split] = encode_records(task, recs, show_progress=show_progress, desc=f"encode {split}")
+        cut = getattr(task, "truncated", 0) - before
+        if cut:
+            log(f"{cut} of {len(recs)} {split} records were cut to fit task.max_len={task.max_len} "
+                f"(task.max_target_len={cfg.task.max_target_len} for completions)")
     if cfg.data.packing:
         if not getattr(task, "packable", False):
             raise ConfigError(f"data.packing=true packs training examples of task sft; task {task.name!r} cannot")

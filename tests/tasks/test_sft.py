@@ -102,6 +102,10 @@ def test_prompt_completion_and_text_formats(smol):
     pc = task.encode(rec)[0]
     assert labelled_text(tok, pc) == " ocean<|im_end|>"  # EOS (SmolLM2-Instruct's is <|im_end|>) is learned too
     assert tok.decode(pc["input_ids"][: pc["prompt_len"]]) == "word for: a large body of salt water\nword:"
+    assert task.truncated == 0
+    short = sft(model.config, tok, max_len=16, max_target_len=3)
+    short.encode(Record("p:2", {"prompt": "a " * 40, "completion": " one two three four"}))
+    assert short.truncated == 1
     text = task.encode(Record("t:1", {"text": "The sea is wide."}))[0]
     assert (text["labels"] == text["input_ids"]).all() and text["prompt_len"] == 0
     # conversational prompt/completion (TRL's form) = a chat whose completion turns are learned

@@ -77,6 +77,7 @@ class SFT(Seq2Seq):
         specials = {tok.id_to_token(i) for i in tok.special_ids}
         self.stop_ids = sorted({self.eos} | {tok.token_to_id(t) for t in END_OF_TURN if t in specials})
         self.formats: Counter = Counter()
+        self.truncated = 0  # examples cut at task.max_len (their end, or a prompt's beginning): reported by prepare
 
     def records(self) -> dict:
         return {"decoder_layout": "causal"}
@@ -175,11 +176,13 @@ class SFT(Seq2Seq):
         completion = str(get_field(rec, self.cfg.completion_field, (str, int, float)))
         p = self.tok.encode(prompt)
         full = self.tok.encode(prompt + completion)[len(p):] if completion else []
+        cut = len(full) > self.cfg.max_target_len - 1
         full = full[: max(self.cfg.max_target_len - 1, 0)] + [self.eos]
         room = self.max_len - len(self.lead) - len(full)
         if room < 1:
             raise ConfigError(f"task.max_len={self.max_len} leaves no room for a prompt next to task.max_target_len="
                               f"{self.cfg.max_target_len} completion tokens")
+        self.truncated += cut or len(p) > room
         p = p[-room:]  # a long prompt loses its beginning: its end (the question, "Answer:") stays
         ids = self.lead + p + full
         prompt_len = len(self.lead) + len(p)
@@ -191,12 +194,15 @@ class SFT(Seq2Seq):
         # documents only (nothing to generate): model selection by the perplexity
         self.default_metric = "perplexity" if set(self.formats) == {"text"} else "rouge_l"
         if fmt == "text":
-            ids = (self.lead + self.tok.encode(get_field(rec, self.cfg.text_field)))[: self.max_len - 1] + [self.eos]
+            ids = self.lead + self.tok.encode(get_field(rec, self.cfg.text_field))
+            self.truncated += len(ids) > self.max_len - 1
+            ids = ids[: self.max_len - 1] + [self.eos]
             labels, prompt_len, ref = list(ids), 0, ""
         elif fmt == "prompt" and not self.cfg.chat:
             ids, labels, prompt_len, ref = self.prompt_example(rec)
         else:
             ids, labels, prompt_len, ref = self.chat_example(rec, self._messages(rec, fmt))
+            self.truncated += len(ids) > self.max_len
             ids, labels = ids[: self.max_len], labels[: self.max_len]
             prompt_len = min(prompt_len, len(ids))
         ids_a = np.asarray(ids, dtype=np.int64)
