@@ -25,6 +25,19 @@ def test_show_json_and_checkpoint_folder(tmp_path, capsys):
     assert payload["config"]["arch"] == "encoder-decoder"
 
 
+def test_show_prints_the_decoder_family_options(tmp_path, capsys):
+    """A Gemma 2-style checkpoint: the window and its layers, the soft caps, the scaled embeddings, sandwich norms."""
+    model = pretune.build_model("tiny-llama", norm="rmsnorm_plus_one", norm_placement="sandwich", ffn="geglu_tanh",
+                                scale_embeddings=True, sliding_window=16, sliding_layers=[0], attn_softcap=50.0,
+                                logit_softcap=30.0)
+    pretune.save(model, tmp_path / "ck")
+    assert main(["show", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    for text in ("sliding window 16 on layers 0", "scores soft-capped at 50", "logits soft-capped at 30",
+                 "scaled by sqrt(dim)", "rmsnorm_plus_one (sandwich-norm"):
+        assert text in out, text
+
+
 def test_show_unknown_preset_suggests_nearest(capsys):
     assert main(["show", "gtp2"]) == 2
     assert "did you mean 'gpt2'" in capsys.readouterr().err

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 Arch = Literal["encoder", "decoder", "encoder-decoder"]
 DecoderLayout = Literal["causal", "prefix_lm"]
-Norm = Literal["layernorm", "rmsnorm"]
-NormPlacement = Literal["pre", "post"]
+Norm = Literal["layernorm", "rmsnorm", "rmsnorm_plus_one"]
+NormPlacement = Literal["pre", "post", "sandwich"]
 Position = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
 RopeScaling = Literal["none", "llama3"]
 Ffn = Literal[
@@ -59,15 +59,25 @@ class ModelConfig:
 
     # --- block --------------------------------------------------------------------------------
     ffn: Ffn = "gelu"  # FFN variant; gated ones (glu, swiglu, ...) have two input projections
-    norm: Norm = "layernorm"  # layernorm (BERT, GPT-2) or rmsnorm (T5, Llama): no mean, no bias
+    norm: Norm = "layernorm"  # layernorm (BERT, GPT-2); rmsnorm (T5, Llama): no mean, no bias; rmsnorm_plus_one:
+    # x / rms(x) * (1 + g), the weight stored as an offset from 1 and starting at 0 (Gemma)
     norm_eps: float = 1e-12  # epsilon inside the norm
-    norm_placement: NormPlacement = "post"  # post: norm(x + f(x)) (BERT); pre: x + f(norm(x)) (GPT-2, T5, Llama)
+    norm_placement: NormPlacement = "post"  # post: norm(x + f(x)) (BERT); pre: x + f(norm(x)) (GPT-2, T5, Llama);
+    # sandwich: x + norm'(f(norm(x))), a second norm on each branch's output (Gemma 2; Ding et al. 2021, CogView)
     bias: bool = True  # biases in attention/FFN linears (BERT, GPT-2); False for T5, Llama
     qkv_bias: bool = False  # biases on the q/k/v projections even when bias=False (Qwen2: o_proj and FFN have none)
     qk_norm: bool = False  # norm (cfg.norm) on each head's queries and keys, over head_dim, before RoPE (Qwen3)
     norm_bias: bool = True  # LayerNorm has a bias (ignored for rmsnorm, which never has one)
-    attn_scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds the scale into its init and uses 1.0
+    attn_scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds the scale into its init and uses 1.0;
+    # Gemma 2: query_pre_attn_scalar ** -0.5
+    attn_softcap: float | None = None  # attention scores squashed to c * tanh(s / c) before the mask (Gemma 2: 50);
+    # None: off. SDPA cannot do it: attention then runs the eager path (slower, more memory)
+    sliding_window: int | None = None  # local attention: a query sees only keys fewer than this many positions away
+    # (causal: t-w+1..t; bidirectional: |i-j| < w, so ModernBERT's local_attention=128 is 65); None: every key
+    sliding_layers: list[int] | None = None  # the layers (0-based, in each stack) that use sliding_window; None:
+    # every layer (Mistral); Gemma 2 alternates: [0, 2, 4, ...]
     embed_norm: bool = True  # norm after the embedding sum (BERT); pre-norm models use a final norm instead
+    scale_embeddings: bool = False  # token embeddings times sqrt(dim), in their dtype (Gemma; Vaswani et al. 2017 §3.4)
     dropout: float = 0.1  # dropout on embeddings, attention output and FFN output
     attn_dropout: float = 0.1  # dropout on attention probabilities
 
@@ -88,6 +98,8 @@ class ModelConfig:
     embed_dim: int | None = None  # ALBERT factorised embeddings: vocab x embed_dim then embed_dim x dim
     tie_embeddings: bool = True  # output projection shares the token embedding matrix
     tied_logit_scale: bool = False  # T5 v1.0: scale hidden states by dim**-0.5 before a tied LM head
+    logit_softcap: float | None = None  # LM logits squashed to c * tanh(z / c) (Gemma 2: 30); None: off; task heads
+    # ignore it
     share_layers: bool = False  # ALBERT cross-layer sharing: one block's weights used n_layers times
     share_encoder_decoder: bool = False  # T5 "enc-dec, shared": decoder reuses encoder attention/FFN weights
     head: Head = "mlm"  # mlm: BERT transform + tied decoder with bias; lm: plain linear; none: body only;
@@ -150,7 +162,7 @@ class ModelConfig:
     @property
     def final_norm(self) -> bool:
         """Pre-norm stacks end with a norm (GPT-2 ln_f, T5 final_layer_norm); post-norm ones do not."""
-        return self.norm_placement == "pre"
+        return self.norm_placement in ("pre", "sandwich")
 
     @property
     def gated_ffn(self) -> bool:
@@ -186,6 +198,10 @@ class ModelConfig:
                                   f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
             if self.rope_original_max_seq_len <= 0:
                 raise ConfigError(f"rope_original_max_seq_len must be > 0, got {self.rope_original_max_seq_len}")
+        for name in ("attn_softcap", "logit_softcap"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 (or None: off), got {getattr(self, name)}")
+        self._check_sliding_window()
         if self.position == "sinusoidal" and self.embedding_dim % 2:
             raise ConfigError(f"sinusoidal positions need an even embedding width, got {self.embedding_dim}")
         for name in ("dropout", "attn_dropout"):
@@ -226,6 +242,22 @@ class ModelConfig:
             raise ConfigError(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
         if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):
             raise ConfigError("share_encoder_decoder needs n_decoder_layers equal to n_layers")
+
+    def _check_sliding_window(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1 (or None: full attention), got {self.sliding_window}")
+        if self.sliding_layers is None:
+            return
+        if self.sliding_window is None:
+            raise ConfigError(f"sliding_layers={self.sliding_layers!r} needs sliding_window")
+        n = max(self.n_layers, self.decoder_layers)
+        if (not isinstance(self.sliding_layers, (list, tuple))
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.sliding_layers)
+                or len(set(self.sliding_layers)) != len(self.sliding_layers)
+                or not all(0 <= i < n for i in self.sliding_layers)):
+            raise ConfigError(f"sliding_layers must be distinct layer indices in 0..{n - 1}, got "
+                              f"{self.sliding_layers!r}")
+        self.sliding_layers = sorted(self.sliding_layers)
 
     # ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Task heads to and from transformers: *ForSequenceClassification / *ForTokenClassification /
-*ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama, Qwen2 and Qwen3.
+*ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma and Gemma 2.
 
 Tiny random-weight HF models built here (nothing is downloaded) -> save_pretrained -> pretune.from_hf
 -> the same logits on a right-padded batch; our model -> pretune.to_hf -> transformers' Auto* classes
@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 T = transformers
 
 V = 99
-PAD = {"bert": 0, "roberta": 1, "gpt2": 0, "llama": 0, "qwen2": 0, "qwen3": 0}
+PAD = {"bert": 0, "roberta": 1, "gpt2": 0, "llama": 0, "qwen2": 0, "qwen3": 0, "mistral": 0, "gemma": 0, "gemma2": 0}
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TAGS = 5  # tagging heads keep HF's default names (LABEL_0..LABEL_4) -> labels None on our side
 
@@ -42,6 +42,19 @@ def _body(family: str, **kw):
         return T.Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
                              pad_token_id=PAD["qwen3"], **kw)
+    if family == "mistral":  # a window of 3 keys on rows of 11
+        return T.MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
+                               max_position_embeddings=64, pad_token_id=PAD["mistral"], **kw)
+    if family == "gemma":
+        return T.GemmaConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
+                             pad_token_id=PAD["gemma"], **kw)
+    if family == "gemma2":  # the task heads do not soft-cap their logits
+        return T.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=3,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=0.5, max_position_embeddings=64,
+                              pad_token_id=PAD["gemma2"], **kw)
     return T.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          pad_token_id=PAD["llama"], **kw)
@@ -69,6 +82,12 @@ CASES = {
     "qwen2-token": ("qwen2", "Qwen2ForTokenClassification", "token", {"num_labels": TAGS}),
     "qwen3-seq": ("qwen3", "Qwen3ForSequenceClassification", "seq", {"id2label": LABELS}),
     "qwen3-qa": ("qwen3", "Qwen3ForQuestionAnswering", "qa", {}),
+    "mistral-seq": ("mistral", "MistralForSequenceClassification", "seq", {"id2label": LABELS}),
+    "mistral-qa": ("mistral", "MistralForQuestionAnswering", "qa", {}),  # its body under model., not transformer.
+    "gemma-seq": ("gemma", "GemmaForSequenceClassification", "seq", {"id2label": LABELS}),
+    "gemma-token": ("gemma", "GemmaForTokenClassification", "token", {"num_labels": TAGS}),
+    "gemma2-seq": ("gemma2", "Gemma2ForSequenceClassification", "seq", {"id2label": LABELS}),
+    "gemma2-token": ("gemma2", "Gemma2ForTokenClassification", "token", {"num_labels": TAGS}),
 }
 AUTO = {"seq": "AutoModelForSequenceClassification", "token": "AutoModelForTokenClassification",
         "qa": "AutoModelForQuestionAnswering"}

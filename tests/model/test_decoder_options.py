@@ -2,7 +2,8 @@
 (``rope_scaling="llama3"``: low frequencies divided by rope_factor, high ones unchanged, a smooth blend between),
 q/k/v-only biases (``qkv_bias``, Qwen2) and per-head q/k norms (``qk_norm``, Qwen3; with a ``head_dim`` independent of
 dim / n_heads). Each keeps the invariants of every variant: backward reaches every parameter, no look-ahead, padding
-does not leak, KV-cache decoding equals a full forward pass."""
+does not leak, KV-cache decoding equals a full forward pass; so do the sliding window (Mistral; test_sliding_window.py)
+and Gemma's and Gemma 2's options (test_gemma_options.py), alone and together."""
 
 from __future__ import annotations
 
@@ -182,6 +183,12 @@ OPTIONS = {
     "qk-norm-head-dim": dict(qk_norm=True, n_kv_heads=1, head_dim=12),
     "all": dict(qkv_bias=True, qk_norm=True, n_kv_heads=2, head_dim=16, rope_scaling="llama3",
                 rope_original_max_seq_len=16),
+    "sliding-window": dict(sliding_window=3, n_kv_heads=2),  # Mistral
+    "sliding-some-layers": dict(sliding_window=2, sliding_layers=[1], qkv_bias=True),  # Qwen2's window
+    "gemma": dict(norm="rmsnorm_plus_one", scale_embeddings=True, ffn="geglu_tanh", head_dim=12, n_kv_heads=1),
+    "gemma2": dict(norm="rmsnorm_plus_one", scale_embeddings=True, ffn="geglu_tanh", head_dim=12, n_kv_heads=2,
+                   norm_placement="sandwich", attn_softcap=1.5, logit_softcap=2.0, attn_scale=0.2, sliding_window=4,
+                   sliding_layers=[0]),
 }
 
 

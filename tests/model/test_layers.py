@@ -80,7 +80,7 @@ def test_attention_dropout_drops_probabilities_at_the_rate_and_rescales():
     attn = Attention(cfg).train()
     q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
     torch.manual_seed(3)
-    out = attn._attend_with_dropout(q, k, v, None, True)
+    out = attn._attend_eager(q, k, v, None, True)
     torch.manual_seed(3)
     keep = _keep_mask(torch.Size((2, 4, 6, 6)), 0.5, q.device)
     causal = torch.ones(6, 6, dtype=torch.bool).triu_(1)

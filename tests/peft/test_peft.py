@@ -225,6 +225,17 @@ def test_adapter_for_a_different_base_is_refused(method, tmp_path):
         peft.load_adapter(other, tmp_path / "ad")
 
 
+@pytest.mark.parametrize("change,field", [(dict(sliding_window=4), "sliding_window"),
+                                          (dict(norm="rmsnorm_plus_one"), "norm"), (dict(qk_norm=True), "qk_norm")])
+def test_adapter_for_a_base_of_the_same_shapes_with_other_options_is_refused(change, field, tmp_path):
+    """A Llama adapter is not a Mistral or Gemma adapter, though every tensor fits."""
+    model = _model("tiny-llama")
+    peft.inject(model, PeftConfig(method="lora"))
+    peft.save_adapter(model, tmp_path / "ad")
+    with pytest.raises(PeftError, match=f"different base model: its {field} is"):
+        peft.load_adapter(_model("tiny-llama", **change), tmp_path / "ad")
+
+
 def test_peft_file_with_wrong_shapes_is_refused(tmp_path):
     model = _model("tiny-gpt2")
     peft.inject(model, PeftConfig(method="lora"))
@@ -265,3 +276,14 @@ def test_prefix_reparametrisation_trains_and_slices_per_layer():
     loss = model(ids, attention_mask=mask).logits.sum()
     loss.backward()
     assert enc.embedding.grad is not None and enc.mlp[0].weight.grad is not None
+
+
+def test_prompt_tuning_starts_from_embeddings_as_the_stack_sees_them():
+    """Gemma scales token embeddings by sqrt(dim) in the stack: vocabulary-initialised virtual tokens start scaled
+    the same way, so they look like the tokens they were drawn from."""
+    model = _model("tiny-llama", scale_embeddings=True)
+    peft.inject(model, PeftConfig(method="prompt", n_virtual=3, prompt_init="vocab"), "p")
+    prompt = next(p for n, p in model.named_parameters() if n.endswith("p.embedding"))
+    scaled = model.transformer.embed.weight * model.config.dim ** 0.5
+    for row in prompt:
+        assert torch.isclose(scaled, row).all(-1).any()

@@ -42,6 +42,28 @@ def _qwen3():  # per-head q/k RMSNorm, head_dim 12 != 32 / 4
     return _with_biases(transformers.Qwen3ForCausalLM(cfg))
 
 
+def _mistral():  # every layer within a window of 4 keys (the inputs are 11 long), head_dim 12 != 32 / 4
+    cfg = transformers.MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=4,
+                                     max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.MistralForCausalLM(cfg)
+
+
+def _gemma():  # (1 + w) norms, scaled embeddings, GeGLU-tanh, tied head
+    cfg = transformers.GemmaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _with_biases(transformers.GemmaForCausalLM(cfg))
+
+
+def _gemma2():  # + sandwich norms, soft-capped attention and logits, local layers 0 and 2
+    cfg = transformers.Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=4,
+                                    query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _with_biases(transformers.Gemma2ForCausalLM(cfg))
+
+
 def _with_biases(model):
     """HF starts biases at 0 and norms at 1: perturb them so the test sees them."""
     g = torch.Generator().manual_seed(5)
@@ -67,6 +89,9 @@ CASES = {
     "bert": (_bert, ["query", "value", "output.dense"], {"task_type": "SEQ_CLS"}, ["q_proj", "k_proj", "o_proj"]),
     "qwen2": (_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"], {}, ["q_proj", "k_proj", "up_proj"]),
     "qwen3": (_qwen3, ["q_proj", "v_proj", "gate_proj"], {}, ["k_proj", "v_proj", "o_proj"]),
+    "mistral": (_mistral, ["q_proj", "v_proj", "o_proj", "up_proj"], {}, ["q_proj", "k_proj", "down_proj"]),
+    "gemma": (_gemma, ["q_proj", "k_proj", "gate_proj", "down_proj"], {}, ["v_proj", "o_proj", "up_proj"]),
+    "gemma2": (_gemma2, ["q_proj", "k_proj", "v_proj", "down_proj"], {}, ["q_proj", "o_proj", "gate_proj"]),
 }
 
 

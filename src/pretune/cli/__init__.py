@@ -91,6 +91,11 @@ def cmd_show(args) -> int:
         attn += ", q/k/v biases"
     if cfg.qk_norm:
         attn += ", q/k norm"
+    if cfg.sliding_window is not None:
+        where = "" if cfg.sliding_layers is None else f" on layers {', '.join(map(str, cfg.sliding_layers))}"
+        attn += f", sliding window {cfg.sliding_window}{where}"
+    if cfg.attn_softcap is not None:
+        attn += f", scores soft-capped at {cfg.attn_softcap:g}"
     rope = f" (base {cfg.rope_base:g}" + (f", {cfg.rope_scaling} scaling x{cfg.rope_factor:g}"
                                            if cfg.rope_scaling != "none" else "") + ")"
     rows = [
@@ -100,8 +105,11 @@ def cmd_show(args) -> int:
         ("vocab", cfg.vocab_size), ("max_seq_len", cfg.max_seq_len),
         ("embeddings", ("tied" if cfg.tie_embeddings else "untied")
          + (f", factorised {cfg.embed_dim}" if cfg.embed_dim else "")
+         + (", scaled by sqrt(dim)" if cfg.scale_embeddings else "")
          + (f", {cfg.token_types} token types" if cfg.token_types else "")),
-        ("head", cfg.head + (" + pooler" if cfg.pooler else "")),
+        ("head", cfg.head + (" + pooler" if cfg.pooler else "")
+         + (f", logits soft-capped at {cfg.logit_softcap:g}" if cfg.logit_softcap is not None and cfg.head == "lm"
+            else "")),
     ]
     for k, v in rows:
         print(f"  {k:<12} {v}")

@@ -73,6 +73,12 @@ def rename(tensors: dict[str, torch.Tensor], table: Table, *, reverse: bool = Fa
     return out
 
 
+# model-core options that only some families have, at their "off" values: a family's export_mismatch asks for these
+# unless it has the option (a GPT-2 config with a sliding window is not GPT-2)
+PLAIN_OPTIONS = {"qkv_bias": False, "qk_norm": False, "scale_embeddings": False, "sliding_window": None,
+                 "sliding_layers": None, "attn_softcap": None, "logit_softcap": None}
+
+
 def mismatch(cfg: ModelConfig, **expected) -> str | None:
     """The first config field whose value differs from ``expected``, as a sentence (or None)."""
     for key, value in expected.items():
@@ -188,10 +194,10 @@ def task_config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 # families
 # ---------------------------------------------------------------------------------------------
 def _families() -> dict[str, ModuleType]:
-    from . import bert, gpt2, llama, qwen2, qwen3, t5
+    from . import bert, gemma, gemma2, gpt2, llama, mistral, qwen2, qwen3, t5
 
     out = {}
-    for mod in (bert, gpt2, t5, llama, qwen2, qwen3):
+    for mod in (bert, gpt2, t5, llama, qwen2, qwen3, mistral, gemma, gemma2):
         for model_type in mod.MODEL_TYPES:
             out[model_type] = mod
     return out
@@ -252,9 +258,9 @@ def sentence_pooling(path: str | os.PathLike) -> str | None:
 
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama (with Llama 3.x
-    RoPE scaling), Qwen2/Qwen2.5, Qwen3), with its task head when ``architectures`` names one
-    (*ForSequenceClassification, *ForTokenClassification, *ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama and
-    Qwen; labels come from ``id2label``). A base model that is
+    RoPE scaling), Qwen2/Qwen2.5, Qwen3, Mistral, Gemma, Gemma 2), with its task head when ``architectures`` names one
+    (*ForSequenceClassification, *ForTokenClassification, *ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama, Qwen
+    and Mistral; Gemma's have no QA class; labels come from ``id2label``). A base model that is
     a sentence-transformers model trained with mean pooling (``modules.json``) gets ``pooling="mean"``, so a
     classification head added to it reads the sentence vector it was trained to make (not the BERT pooler).
 

@@ -14,7 +14,17 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from . import InteropError, mismatch, rename, strip_prefix, task_arch, task_config_to_hf, task_fields, task_mismatch
+from . import (
+    PLAIN_OPTIONS,
+    InteropError,
+    mismatch,
+    rename,
+    strip_prefix,
+    task_arch,
+    task_config_to_hf,
+    task_fields,
+    task_mismatch,
+)
 
 MODEL_TYPES = ("bert", "roberta")
 
@@ -140,7 +150,7 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def export_mismatch(cfg: ModelConfig) -> str | None:
     why = mismatch(cfg, arch="encoder", norm="layernorm", norm_placement="post", bias=True, norm_bias=True,
                    embed_norm=True, position="learned", embed_dim=None, share_layers=False, attn_scale=None,
-                   tied_logit_scale=False)
+                   tied_logit_scale=False, **PLAIN_OPTIONS)
     if why:
         return why
     if cfg.ffn not in _ACT_NAMES:

@@ -14,7 +14,17 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from . import InteropError, mismatch, rename, strip_prefix, task_arch, task_config_to_hf, task_fields, task_mismatch
+from . import (
+    PLAIN_OPTIONS,
+    InteropError,
+    mismatch,
+    rename,
+    strip_prefix,
+    task_arch,
+    task_config_to_hf,
+    task_fields,
+    task_mismatch,
+)
 
 MODEL_TYPES = ("gpt2",)
 
@@ -121,7 +131,7 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 def export_mismatch(cfg: ModelConfig) -> str | None:
     why = mismatch(cfg, arch="decoder", norm="layernorm", norm_placement="pre", bias=True, norm_bias=True,
                    embed_norm=False, position="learned", position_offset=0, token_types=0, embed_dim=None,
-                   share_layers=False, attn_scale=None, tied_logit_scale=False, pooler=False)
+                   share_layers=False, attn_scale=None, tied_logit_scale=False, pooler=False, **PLAIN_OPTIONS)
     if why:
         return why
     if cfg.head in _TASK_ARCHS:

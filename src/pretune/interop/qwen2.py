@@ -3,14 +3,15 @@ classes): Llama with biases on the q/k/v projections only (o_proj and the MLP ha
 
 Quirks: the q/k/v biases are fixed by the architecture (no ``attention_bias`` key: transformers ignores one);
 ``use_sliding_window`` with layers past ``max_window_layers`` (or ``layer_types`` naming "sliding_attention")
-attend within a window, which is refused; with it off (every released Qwen2.5 config) attention is full.
-Everything else (RoPE types, task heads, tied embeddings) is as in Llama (llama.py).
+attend within ``sliding_window`` (our ``sliding_window`` and ``sliding_layers``); with it off (every released Qwen2.5
+config) attention is full. Exports write ``layer_types`` out. Everything else (RoPE types, task heads, tied
+embeddings) is as in Llama (llama.py).
 """
 
 from __future__ import annotations
 
-from . import InteropError
-from .llama import LlamaLike
+from ..config import ModelConfig
+from .llama import LlamaLike, layer_types, window_fields
 
 
 def sliding_layers(hf: dict) -> list[int]:
@@ -24,16 +25,19 @@ def sliding_layers(hf: dict) -> list[int]:
 
 
 class Qwen(LlamaLike):
-    """Llama-shaped with Qwen's config keys: a sliding window is refused, exports write it off."""
+    """Llama-shaped with Qwen's config keys: a sliding window on some layers (use_sliding_window, layer_types)."""
+
+    free = ("sliding_window", "sliding_layers")
 
     def check(self, hf: dict) -> None:
-        layers = sliding_layers(hf)
-        if layers:
-            raise InteropError(f"sliding-window attention (use_sliding_window=True, sliding_window="
-                               f"{hf['sliding_window']}, layers {layers}) is not supported")
+        return None  # no attention_bias / mlp_bias keys: transformers' Qwen2 ignores them
 
-    def extra_hf_keys(self) -> dict:
-        return {"use_sliding_window": False, "sliding_window": None}
+    def fields_from_hf(self, hf: dict) -> dict:
+        return window_fields(hf.get("sliding_window"), sliding_layers(hf), hf["num_hidden_layers"])
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict:
+        return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+                "max_window_layers": cfg.n_layers, "layer_types": layer_types(cfg)}
 
 
 _QWEN2 = Qwen(prefix="Qwen2", model_type="qwen2", qkv_bias=True)

@@ -4,11 +4,12 @@ weight each, shared by the heads: our ``qk_norm``) and a ``head_dim`` set indepe
 (128 in every released size; our ``head_dim`` when it differs from dim / n_heads).
 
 Quirks: ``attention_bias=True`` would put biases on q, k, v and o (refused; released checkpoints have none); the
-sliding window is refused as in Qwen2 (qwen2.py).
+sliding window is read as in Qwen2 (qwen2.py).
 """
 
 from __future__ import annotations
 
+from ..config import ModelConfig
 from . import InteropError
 from .qwen2 import Qwen
 
@@ -21,8 +22,8 @@ class Qwen3(Qwen):
             raise InteropError("attention_bias=True is not supported (biases on q/k/v and o_proj)")
         super().check(hf)
 
-    def extra_hf_keys(self) -> dict:
-        return {**super().extra_hf_keys(), "attention_bias": False}
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict:
+        return {**super().extra_hf_keys(cfg), "attention_bias": False}
 
 
 _QWEN3 = Qwen3(prefix="Qwen3", model_type="qwen3", qk_norm=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from . import InteropError, mismatch, rename, task_arch
+from . import PLAIN_OPTIONS, InteropError, mismatch, rename, task_arch
 
 MODEL_TYPES = ("t5",)
 
@@ -93,7 +93,7 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
                 "T5ForQuestionAnswering read the decoder; pretune's task heads read the encoder)")
     why = mismatch(cfg, arch="encoder-decoder", norm="rmsnorm", norm_placement="pre", bias=False,
                    attn_scale=1.0, embed_norm=False, position="relative", token_types=0, embed_dim=None,
-                   share_layers=False, share_encoder_decoder=False, head="lm", pooler=False)
+                   share_layers=False, share_encoder_decoder=False, head="lm", pooler=False, **PLAIN_OPTIONS)
     if why:
         return why
     if cfg.tie_embeddings != cfg.tied_logit_scale:

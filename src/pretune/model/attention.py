@@ -18,7 +18,8 @@ from .layers import FusedLinears, _keep_mask, make_norm
 class Attention(nn.Module):
     """Multi-head attention; grouped-query when n_kv_heads < n_heads; cross-attention when
     keys/values come from another sequence (the encoder output). ``qkv_bias``: q/k/v have biases when the
-    other linears have none (Qwen2); ``qk_norm``: each head's queries and keys are normalised before RoPE (Qwen3)."""
+    other linears have none (Qwen2); ``qk_norm``: each head's queries and keys are normalised before RoPE (Qwen3);
+    ``attn_softcap``: the scores are soft-capped before the mask (Gemma 2), on the eager path instead of SDPA."""
 
     def __init__(self, cfg: ModelConfig, *, cross: bool = False):
         super().__init__()
@@ -26,6 +27,7 @@ class Attention(nn.Module):
         self.cross = cross
         self.scale = cfg.attn_scale  # None: SDPA's default 1/sqrt(Dh)
         self.dropout = cfg.attn_dropout
+        self.softcap = cfg.attn_softcap  # None: off (SDPA); c: scores -> c * tanh(scores / c) (eager path)
         qkv_bias = cfg.bias or cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.dim, self.n_heads * self.dh, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * self.dh, bias=qkv_bias)
@@ -90,8 +92,8 @@ class Attention(nn.Module):
             k, v, mask, is_causal = self.extra_kv(k, v, mask, is_causal, q.shape[2])
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
-        if self.training and self.dropout > 0:
-            out = self._attend_with_dropout(q, k, v, mask, is_causal)
+        if self.softcap is not None or (self.training and self.dropout > 0):
+            out = self._attend_eager(q, k, v, mask, is_causal)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
@@ -100,12 +102,13 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.dh)  # (B, T, H*Dh)
         return self.o_proj(out)
 
-    def _attend_with_dropout(self, q, k, v, mask, is_causal):
-        """softmax(QK^T * scale + mask) with dropout on the probabilities, then V. SDPA's fused kernels
-        have no dropout on CPU and its math path uses bernoulli_; this path is the same maths with the
-        cheaper keep mask and as few passes over the (B, H, T, S) scores as autograd allows: the scale
-        goes on q, the masks are added in place, and dropout's 1/(1-p) multiplies the (B, H, T, Dh)
-        output, so the probabilities are only masked (one pass forward, one backward)."""
+    def _attend_eager(self, q, k, v, mask, is_causal):
+        """softmax(softcap(QK^T * scale) + mask) with dropout on the probabilities (when training), then V: what
+        SDPA cannot do. Its fused kernels have no dropout on CPU and its math path uses bernoulli_; this path is the
+        same maths with the cheaper keep mask and as few passes over the (B, H, T, S) scores as autograd allows:
+        the scale goes on q, the masks are added in place, and dropout's 1/(1-p) multiplies the (B, H, T, Dh)
+        output, so the probabilities are only masked (one pass forward, one backward). The soft cap
+        c * tanh(s / c) comes before the masks (Gemma 2)."""
         if self.n_kv_heads != self.n_heads:  # GQA: each kv head serves n_heads / n_kv_heads query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
@@ -113,11 +116,15 @@ class Attention(nn.Module):
         S = k.shape[2]
         q = q * (self.scale if self.scale is not None else Dh ** -0.5)
         scores = q @ k.transpose(-1, -2)  # (B, H, T, S); the matmul keeps q and k, so in-place adds are safe
+        if self.softcap is not None:  # Gemma 2: logits kept in (-c, c); tanh keeps its output, * c makes a new one
+            scores = torch.tanh(scores * (1.0 / self.softcap)) * self.softcap
         if is_causal:
             scores.add_(_causal_bias(T, S, q.dtype, q.device))  # (T, S): 0 or -inf (cheaper than baddbmm's copy)
         if mask is not None:
             scores.add_(mask)  # (B|1, H|1, T, S) broadcasts onto the scores
         probs = scores.softmax(dim=-1)
+        if not (self.training and self.dropout > 0):
+            return probs @ v  # (B, H, T, Dh)
         keep = _keep_mask(probs.shape, self.dropout, probs.device)
         return (torch.where(keep, probs, 0.0) @ v) * (1.0 / (1.0 - self.dropout))  # (B, H, T, Dh)
 
@@ -131,6 +138,7 @@ def build_mask(
     key_padding: torch.Tensor | None = None,
     prefix_lengths: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
+    window: int | None = None,
     bias: torch.Tensor | None = None,
     device: torch.device | None = None,
 ) -> tuple[torch.Tensor | None, bool]:
@@ -145,6 +153,9 @@ def build_mask(
         prefix_lengths: (B,) prefix-LM: keys j < prefix_len are visible to every query.
         document_ids: (B, k_len) several examples packed in one row: a query sees only keys of its own document
             (a block-diagonal mask; queries are the last q_len columns).
+        window: sliding-window attention: a query sees only keys fewer than ``window`` columns away (causal: the
+            last ``window`` keys up to itself; otherwise |i - j| < window), on top of every other rule. Columns, not
+            position ids: the same distance for left-padded rows and packed documents, whose tokens are contiguous.
         bias: (1 or B, H, q_len, k_len) additive logits bias (T5 relative, ALiBi).
     Returns:
         (mask, is_causal): an additive float mask (B|1, H|1, q_len, k_len) or None, and whether
@@ -152,7 +163,10 @@ def build_mask(
     """
     static = isinstance(q_offset, torch.Tensor)
     needs_causal = causal and (q_len > 1 or static)
-    if key_padding is None and prefix_lengths is None and document_ids is None and bias is None and not static:
+    if window is not None and k_len <= window:
+        window = None  # every key is within the window: the plain mask (and SDPA's causal fast path) is the same
+    if (key_padding is None and prefix_lengths is None and document_ids is None and bias is None and not static
+            and window is None):
         if not needs_causal:
             return None, False
         if q_offset == 0 and q_len == k_len:
@@ -165,6 +179,11 @@ def build_mask(
         if prefix_lengths is not None:
             in_prefix = k_pos[None, :] < prefix_lengths.to(device)[:, None]  # (B, k_len)
             allowed = allowed | in_prefix[:, None, None, :]
+    if window is not None:
+        q_pos = q_offset + torch.arange(q_len, device=device)  # (q_len,) the queries' columns
+        distance = q_pos[:, None] - torch.arange(k_len, device=device)[None, :]  # (q_len, k_len)
+        near = (distance.abs() < window)[None, None]  # (1, 1, q_len, k_len); the causal rule hides the future
+        allowed = near if allowed is None else allowed & near
     if key_padding is not None:
         keep = key_padding.to(device=device, dtype=torch.bool)[:, None, None, :]
         allowed = keep if allowed is None else allowed & keep

@@ -32,6 +32,26 @@ class LMHead(nn.Module):
         return nn.functional.linear(h, self.weight)
 
 
+class SoftCappedLMHead(LMHead):
+    """Differs from LMHead: the logits are squashed into (-c, c) as c * tanh(z / c) (Gemma 2's
+    final_logit_softcapping), so a loss cannot fuse the linear map with its softmax (``fusable`` is False)."""
+
+    fusable = False
+
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding):
+        super().__init__(cfg, embed)
+        self.softcap = cfg.logit_softcap
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (B, T, dim) -> logits (B, T, vocab), each in (-softcap, softcap)."""
+        return torch.tanh(super().forward(h) * (1.0 / self.softcap)) * self.softcap
+
+
+def lm_head(cfg: ModelConfig, embed: nn.Embedding) -> LMHead:
+    """The LM head ``cfg`` asks for: soft-capped logits when ``logit_softcap`` is set, else the plain linear map."""
+    return SoftCappedLMHead(cfg, embed) if cfg.logit_softcap is not None else LMHead(cfg, embed)
+
+
 class MLMHead(nn.Module):
     """BERT's masked-LM head: dense + activation + norm, then a (tied) decoder with its own bias."""
 
@@ -121,5 +141,5 @@ class TokenHead(nn.Module):
         return self.out(self.drop(h))
 
 
-HEADS = {"lm": LMHead, "mlm": MLMHead, "classification": SequenceHead, "regression": SequenceHead,
+HEADS = {"lm": lm_head, "mlm": MLMHead, "classification": SequenceHead, "regression": SequenceHead,
          "tagging": TokenHead, "qa": TokenHead}

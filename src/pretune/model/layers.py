@@ -27,6 +27,21 @@ class RMSNorm(nn.Module):
         return self.weight.to(x.dtype) * y
 
 
+class RMSNormPlusOne(RMSNorm):
+    """Differs from RMSNorm: the gain is stored as an offset from 1, x / rms(x) * (1 + g), g starting at 0 (Gemma).
+    In low precision the gain is applied in fp32 before the cast back ((x * w).to(dtype), as Gemma does), not after."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = False):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gain = 1.0 + self.weight.float()  # (dim,)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, gain, self.eps)
+        return F.rms_norm(x.float(), self.weight.shape, gain, self.eps).to(x.dtype)
+
+
 class WrappedLinear(nn.Module):
     """A module that wraps an ``nn.Linear`` (``base_layer``) and changes its output: ``forward(x)`` is
     ``adjust(x, base_layer(x))`` unless ``fusable`` is False (the wrapper must change the input itself). Low-rank
@@ -124,7 +139,7 @@ def _layer_norm(dim: int, eps: float, bias: bool = True) -> nn.LayerNorm:
     return nn.LayerNorm(dim, eps=eps, bias=bias)
 
 
-NORMS = {"layernorm": _layer_norm, "rmsnorm": RMSNorm}
+NORMS = {"layernorm": _layer_norm, "rmsnorm": RMSNorm, "rmsnorm_plus_one": RMSNormPlusOne}
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:

@@ -5,6 +5,7 @@ Read this file first. Every family is this code with a different ModelConfig:
   GPT-2  = decoder stack, pre-norm, learned positions
   T5     = encoder + decoder stacks (decoder with cross-attention), RMSNorm, relative bias
   Llama  = decoder stack, RMSNorm, RoPE, SwiGLU, grouped-query attention
+  Gemma 2 = Llama-like, with sandwich norms, scaled embeddings, soft-capped attention, every other layer local
 The Transformer returns hidden states; heads (heads.py) turn them into logits.
 """
 
@@ -22,41 +23,50 @@ from .position import POSITIONS
 
 class Block(nn.Module):
     """Self-attention [+ cross-attention] + FFN, each a residual branch with a norm placed
-    before the branch (pre-norm: x + f(norm(x))) or after the sum (post-norm: norm(x + f(x)))."""
+    before the branch (pre-norm: x + f(norm(x))) or after the sum (post-norm: norm(x + f(x))); sandwich: before
+    the branch and on its output too (x + norm'(f(norm(x))), Gemma 2)."""
 
     def __init__(self, cfg: ModelConfig, *, cross: bool = False, shared: "Block | None" = None):
         super().__init__()
-        self.pre_norm = cfg.norm_placement == "pre"
+        self.pre_norm = cfg.norm_placement in ("pre", "sandwich")
+        sandwich = cfg.norm_placement == "sandwich"
         if shared is None:  # T5 "enc-dec, shared": the decoder reuses the encoder block's weights
             self.attn, self.attn_norm = Attention(cfg), make_norm(cfg)
             self.ffn, self.ffn_norm = FeedForward(cfg), make_norm(cfg)
+            self.attn_post_norm = make_norm(cfg) if sandwich else None
+            self.ffn_post_norm = make_norm(cfg) if sandwich else None
         else:
-            self.attn, self.attn_norm = shared.attn, shared.attn_norm
-            self.ffn, self.ffn_norm = shared.ffn, shared.ffn_norm
+            self.attn, self.attn_norm, self.attn_post_norm = shared.attn, shared.attn_norm, shared.attn_post_norm
+            self.ffn, self.ffn_norm, self.ffn_post_norm = shared.ffn, shared.ffn_norm, shared.ffn_post_norm
         self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.cross_norm = make_norm(cfg) if cross else None
+        self.cross_post_norm = make_norm(cfg) if cross and sandwich else None
         # each branch's output passes its own dropout before the residual sum (parameter-free; a module that
         # changes a branch's output, such as a Houlsby adapter, wraps it)
         self.attn_drop, self.ffn_drop = Dropout(cfg.dropout), Dropout(cfg.dropout)
         self.cross_drop = Dropout(cfg.dropout) if cross else None
 
-    def _residual(self, x, norm, fn, drop):
+    def _residual(self, x, norm, fn, drop, post=None):
         if self.pre_norm:
+            if post is not None:  # sandwich
+                return x + drop(post(fn(norm(x))))
             return x + drop(fn(norm(x)))
         return norm(x + drop(fn(x)))
 
     def forward(self, x, *, mask, is_causal, rotate, positions, memory=None, memory_mask=None, cache=None):
         x = self._residual(x, self.attn_norm, lambda h: self.attn(
-            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache), self.attn_drop)
+            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache), self.attn_drop,
+            self.attn_post_norm)
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
-                h, memory=memory, mask=memory_mask, cache=cache), self.cross_drop)
-        return self._residual(x, self.ffn_norm, self.ffn, self.ffn_drop)
+                h, memory=memory, mask=memory_mask, cache=cache), self.cross_drop, self.cross_post_norm)
+        return self._residual(x, self.ffn_norm, self.ffn, self.ffn_drop, self.ffn_post_norm)
 
 
 class Stack(nn.Module):
-    """Embedding extras (token types, absolute positions, norm, ALBERT projection), a stack of
-    blocks (or one block applied n times under cross-layer sharing) and a final norm."""
+    """Embedding extras (scale, token types, absolute positions, norm, ALBERT projection), a stack of
+    blocks (or one block applied n times under cross-layer sharing) and a final norm. Layers in
+    ``cfg.sliding_layers`` (every layer when it is None) attend within ``cfg.sliding_window``."""
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, n_layers: int,
                  token_types: bool = True, shared: "Stack | None" = None):
@@ -64,6 +74,10 @@ class Stack(nn.Module):
         self.causal = causal
         self.n_layers = n_layers
         e = cfg.embedding_dim
+        self.embed_scale = e ** 0.5 if cfg.scale_embeddings else None  # Gemma: token embeddings times sqrt(dim)
+        self.window = cfg.sliding_window  # None: every layer attends to every key
+        local = range(n_layers) if cfg.sliding_layers is None else cfg.sliding_layers
+        self.local = frozenset(i for i in local if i < n_layers) if self.window is not None else frozenset()
         self.position = POSITIONS[cfg.position](cfg, causal=causal)
         self.token_type = nn.Embedding(cfg.token_types, e) if cfg.token_types and token_types else None
         self.embed_norm = make_norm(cfg, e) if cfg.embed_norm else None
@@ -107,6 +121,8 @@ class Stack(nn.Module):
         if document_ids is not None and (cache is not None or self.extra_inputs is not None):
             raise ValueError("packed rows (document_ids) cannot use a KV cache or extra input embeddings "
                              "(prefix or prompt tuning)")
+        if self.embed_scale is not None:  # in the embeddings' dtype, as Gemma does (bf16: sqrt(3072) -> 55.5)
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if self.extra_inputs is not None:
             x, attention_mask, token_type_ids, position_ids, n_virtual = self.extra_inputs(
                 x, attention_mask, token_type_ids, position_ids, past)
@@ -133,10 +149,10 @@ class Stack(nn.Module):
             attention_mask = cache.key_mask
         elif attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # nothing padded: keep SDPA's fast path
-        mask, is_causal = build_mask(q_len=T, k_len=k_len, q_offset=past, causal=self.causal,
-                                     key_padding=attention_mask, prefix_lengths=prefix_lengths,
-                                     document_ids=document_ids,
-                                     bias=pos_bias, device=x.device)
+        masks = dict(q_len=T, k_len=k_len, q_offset=past, causal=self.causal, key_padding=attention_mask,
+                     prefix_lengths=prefix_lengths, document_ids=document_ids, bias=pos_bias, device=x.device)
+        full = build_mask(**masks) if len(self.local) < self.n_layers else None  # (mask, is_causal)
+        local = build_mask(**masks, window=self.window) if self.local else None  # the sliding-window layers'
         cross_mask = None
         # (a compiled step cannot branch on tensor values: it always applies a given memory mask)
         if memory is not None and memory_mask is not None and (
@@ -148,6 +164,7 @@ class Stack(nn.Module):
             rotate = self.position.rotation(position_ids, length=k_len if static else None)
         for i in range(self.n_layers):
             block = self.layers[i % len(self.layers)]
+            mask, is_causal = local if i in self.local else full
             x = block(x, mask=mask, is_causal=is_causal, rotate=rotate, positions=position_ids,
                       memory=memory, memory_mask=cross_mask,
                       cache=cache.layer(i) if cache is not None else None)

@@ -16,9 +16,11 @@ class PeftConfig:
     ``lora+prompt`` or ``embeddings+adapter``. Each method reads the fields that concern it."""
 
     method: str = ""  # lora | adapter | prefix | prompt | ia3 | embeddings | bitfit, or a '+'-joined combination
-    targets: list = field(default_factory=list)  # lora: module patterns (leaf name, dotted suffix or regex)
+    targets: list = field(default_factory=list)  # lora: module patterns (leaf name, dotted suffix or regex), or
+    # ["all-linear"]: every linear layer of the body (peft's "all-linear": not the output head)
     r: int = 8  # lora rank
     alpha: float = 16.0  # lora scaling alpha / r
+    rslora: bool = False  # lora: scale by alpha / sqrt(r) (rank-stabilised LoRA, Kalajdzievski 2023; peft use_rslora)
     dropout: float = 0.0  # lora: dropout on the input of A
     bias: str = "none"  # lora: biases trained with the adapter: none, all (every bias of the body), lora_only
     ia3_targets: list = field(default_factory=list)  # (IA)3 module patterns; default keys, values, FFN inner

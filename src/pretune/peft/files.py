@@ -8,7 +8,8 @@
                                  ``peft.PeftModel.from_pretrained`` and its tensors use peft's names
       tokenizer.json, task.json  when saved by ``pretune finetune``
 
-LoRA adapters of a family that exports to Hugging Face (BERT, RoBERTa, GPT-2, T5, Llama, Qwen2, Qwen3) are written
+LoRA adapters of a family that exports to Hugging Face (BERT, RoBERTa, GPT-2, T5, Llama, Qwen2, Qwen3, Mistral, Gemma,
+Gemma 2) are written
 in peft's layout: ``base_model.model.<HF module>.lora_A.weight`` (and, with ``bias`` all / lora_only, the
 trained biases under their HF names); other adapters use pretune's parameter names with the adapter name left
 out, and the base parameters they train (embeddings, BitFit's biases) under their own names. A folder written
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -52,8 +54,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_CONFIG_FILE = "adapter_config.json"
 HF_PREFIX = "base_model.model."
 _HEAD_FIELDS = ("head", "num_labels", "labels", "pooling", "classifier_dropout", "multi_label")
+# what an adapter records of its base and refuses to load into a model that differs (the shapes, and the options of
+# bases that have the same shapes: Llama / Mistral / Gemma 2 checkpoints differ only in these); an adapter saved
+# before a field existed does not record it and is not checked on it
 _BASE_FIELDS = ("arch", "vocab_size", "dim", "n_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "head_dim",
-                "ffn_dim", "embed_dim", "ffn")
+                "ffn_dim", "embed_dim", "ffn", "norm", "norm_placement", "qkv_bias", "qk_norm", "rope_scaling",
+                "rope_factor", "scale_embeddings", "sliding_window", "sliding_layers", "attn_softcap", "logit_softcap")
 _TASK_TYPES = {"classification": "SEQ_CLS", "regression": "SEQ_CLS", "tagging": "TOKEN_CLS", "qa": "QUESTION_ANS"}
 _HF_HEADS = ("classifier.", "score.", "qa_outputs.")
 _LEGACY_NAMES = {".attn_adapter.adapters.": ".attn_drop.adapters.",  # adapters saved before branch wrapping
@@ -194,6 +200,7 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, float]] = {}  # hf module -> (rank, alpha)
     fan_in_fan_out = False
+    rslora = peft_state(model).configs[name].rslora  # alpha / sqrt(r): written as peft's use_rslora
     for module, ours in by_module.items():
         ours.sort(key=lambda n: places[n].start)
         out_rows = max(places[n].stop for n in ours) if len(ours) > 1 else None
@@ -204,7 +211,7 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
         if len(ours) == 1 and places[ours[0]].start == 0:
             A, B = As[0], layers[0].lora_B[name].weight.detach()
             r = A.shape[0]
-            shapes[module] = (r, scales[0] * r)
+            shapes[module] = (r, scales[0] * (math.sqrt(r) if rslora else r))
         else:  # a fused HF matrix: stack the ranks, B block-diagonal in HF row order, scaling folded in
             total_out = _hf_out_rows(model, module, out_rows)
             A = torch.cat(As)
@@ -215,7 +222,7 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
                 rr = m.lora_A[name].weight.shape[0]
                 B[places[n].start:places[n].stop, col:col + rr] = m.lora_B[name].weight.detach() * s
                 col += rr
-            shapes[module] = (r, float(r))  # scaling 1: alpha = r
+            shapes[module] = (r, math.sqrt(r) if rslora else float(r))  # scaling 1
         tensors[f"{HF_PREFIX}{module}.lora_A.weight"] = A
         tensors[f"{HF_PREFIX}{module}.lora_B.weight"] = B
     modules_to_save = []
@@ -239,7 +246,7 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
         "fan_in_fan_out": fan_in_fan_out, "modules_to_save": sorted(set(modules_to_save)) or None,
         "rank_pattern": {m: s[0] for m, s in shapes.items() if s[0] != r},
         "alpha_pattern": {m: s[1] for m, s in shapes.items() if s[1] != alpha},
-        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "use_rslora": rslora, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": None, "revision": None, "layers_to_transform": None, "layers_pattern": None,
     }
     return tensors, peft_cfg
@@ -488,7 +495,7 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
             layers_seen.append(n)
     state = peft_state(model)
     state.configs[name] = PeftConfig(method="lora", targets=layers_seen, r=r0, alpha=alpha0, dropout=dropout,
-                                     bias=bias)
+                                     bias=bias, rslora=rslora)
     if bias_hf:
         _load_hf_biases(model, name, bias_hf, path)
     if head_hf:

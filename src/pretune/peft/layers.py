@@ -95,13 +95,13 @@ class PeftLinear(WrappedLinear):
         """False while an (IA)3 vector scales this layer's input (the base matmul must see the scaled input)."""
         return not (self.ia3_input and any(n in self.ia3 for n, _ in self.state.routes()))
 
-    def add_lora(self, name: str, r: int, alpha: float, p: float) -> None:
+    def add_lora(self, name: str, r: int, alpha: float, p: float, *, rslora: bool = False) -> None:
         A = nn.Linear(self.in_features, r, bias=False, device=self.weight.device)
         B = nn.Linear(r, self.out_features, bias=False, device=self.weight.device)
         nn.init.kaiming_uniform_(A.weight, a=math.sqrt(5))  # nn.Linear's default, as in Hu et al. / peft
         nn.init.zeros_(B.weight)  # B = 0: the adapted model starts equal to the base model
         self.lora_A[name], self.lora_B[name] = A, B
-        self.lora_scaling[name], self.lora_dropout[name] = alpha / r, p
+        self.lora_scaling[name], self.lora_dropout[name] = alpha / (math.sqrt(r) if rslora else r), p
 
     def add_ia3(self, name: str, on_input: bool) -> None:
         n = self.in_features if on_input else self.out_features

@@ -1,5 +1,6 @@
-"""LoRA (Hu et al. 2021): W = W0 + (alpha/r) B A on the target linear layers; A Kaiming-uniform, B zeros, so the
-adapted model starts equal to the base. ``bias`` as in peft (and the lecture's LoRA code): ``none`` trains no
+"""LoRA (Hu et al. 2021): W = W0 + (alpha/r) B A on the target linear layers (rsLoRA: alpha/sqrt(r)); A
+Kaiming-uniform, B zeros, so the adapted model starts equal to the base. ``targets=["all-linear"]``: every linear
+layer of the body, as peft's ``target_modules="all-linear"``. ``bias`` as in peft (and the lecture's LoRA code): ``none`` trains no
 bias, ``all`` every bias of the body, ``lora_only`` those of the adapted layers; trained biases are saved with
 the adapter (peft's adapter_config.json records the option)."""
 
@@ -30,8 +31,16 @@ def validate(cfg) -> None:
         raise PeftError(f"peft.bias={cfg.bias!r}: expected one of {', '.join(BIAS)}")
 
 
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output layer
+
+
 def targets(cfg) -> list[str]:
-    return list(cfg.targets) or DEFAULT_TARGETS
+    names = list(cfg.targets) or DEFAULT_TARGETS
+    if ALL_LINEAR in names:
+        if len(names) > 1:
+            raise PeftError(f"peft.targets={names}: {ALL_LINEAR!r} already names every linear layer; give it alone")
+        return [r".*"]  # a regular expression over the body's linear layers (heads are never targets)
+    return names
 
 
 def inject(model, cfg, name: str, ctx) -> None:
@@ -43,7 +52,7 @@ def inject(model, cfg, name: str, ctx) -> None:
                             f"({m.in_features} -> {m.out_features}: at most {limit})")
     for mod_name in found:
         layer: PeftLinear = wrap(model, mod_name)
-        layer.add_lora(name, cfg.r, cfg.alpha, cfg.dropout)
+        layer.add_lora(name, cfg.r, cfg.alpha, cfg.dropout, rslora=cfg.rslora)
         with torch.no_grad():  # A from our own generator: the same adapter for the same seed
             bound = 1.0 / layer.in_features ** 0.5  # kaiming_uniform(a=sqrt(5)) on (r, in) = U(+-1/sqrt(in))
             shape = layer.lora_A[name].weight.shape

@@ -34,7 +34,10 @@ def inject(model, cfg, name: str, ctx) -> None:
     if stack.extra_inputs is None:
         stack.extra_inputs = PromptSite(ctx.state, prompts)
     prompts[name] = SoftPrompt(cfg.n_virtual, model.config.embedding_dim)
-    _init_prompt(prompts[name], model.transformer.embed.weight, cfg, ctx.tokenizer, ctx.generator)
+    embed = model.transformer.embed.weight
+    if stack.embed_scale is not None:  # Gemma: the stack scales the token embeddings, so like ones start scaled
+        embed = embed.detach() * stack.embed_scale
+    _init_prompt(prompts[name], embed, cfg, ctx.tokenizer, ctx.generator)
 
 
 def _init_prompt(prompt: SoftPrompt, embed: torch.Tensor, cfg, tokenizer, gen) -> None:
