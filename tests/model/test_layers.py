@@ -127,3 +127,30 @@ def test_attention_dropout_path_gradients_equal_sdpa_without_drops(position):
         assert any("relative" in n or "bias" in n for n in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_fused_frozen_linears_under_autocast_equal_separate_layers_and_cache_the_cast():
+    """Frozen weights fused under bf16 autocast give exactly what each nn.Linear gives (its own cast per call), and
+    the stacked weight is cached in bf16 (one cast, not one per step); a weight update is seen."""
+    from torch import nn
+
+    from pretune.model.layers import FusedLinears
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, n) for n in (16, 8, 8)]
+    for layer in layers:
+        layer.requires_grad_(False)
+    fused, x = FusedLinears(), torch.randn(2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused(x, layers)
+        want = [layer(x) for layer in layers]
+        assert fused._cache[1].dtype == torch.bfloat16
+        for g, w in zip(got, want):
+            assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+        cached = fused._cache[1]
+        fused(x, layers)
+        assert fused._cache[1] is cached  # reused
+        with torch.no_grad():
+            layers[0].weight.mul_(2.0)
+        assert torch.equal(fused(x, layers)[0], layers[0](x))
+    assert fused(x, layers)[0].dtype == torch.float32  # outside autocast: the fp32 stack again

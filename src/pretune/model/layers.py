@@ -80,12 +80,14 @@ class FusedLinears:
                 for p, b in zip(layers, bases))
                 or len({b.bias is None for b in bases}) > 1):  # (some with a bias, some without: rare, unfused)
             return [p(x) for p in layers]
-        w, b = self.weights(bases)
+        w, b = self.weights(bases, x.device.type)
         ys = F.linear(x, w, b).split([base.out_features for base in bases], dim=-1)
         return [y if p is base else p.adjust(x, y) for p, base, y in zip(layers, bases, ys)]
 
-    def weights(self, bases) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers' weights (and biases) stacked along the output dimension."""
+    def weights(self, bases, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers' weights (and biases) stacked along the output dimension. Frozen ones under autocast are cached
+        already cast to the autocast dtype: the matmul would cast them on every call otherwise (autocast caches casts
+        of trainable leaves only), which costs a read and a write of every frozen weight per step (LoRA in bf16)."""
         if self._cache is not None and torch.compiler.is_compiling():
             # a compiled decoding step (generate(compile=True)) runs after an eager prefill filled this cache, and
             # the weights cannot change under its inference mode; data_ptr() keys would break the graph
@@ -95,11 +97,16 @@ class FusedLinears:
         n = len(bases)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return torch.cat(tensors[:n]), (torch.cat(tensors[n:]) if biases else None)
-        key = (torch.is_inference_mode_enabled(), *((t.data_ptr(), t._version, t.dtype) for t in tensors))
+        cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        if cast is not None and not tensors[0].is_floating_point():
+            cast = None
+        key = (torch.is_inference_mode_enabled(), cast, *((t.data_ptr(), t._version, t.dtype) for t in tensors))
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
                 w = torch.cat(tensors[:n])
                 b = torch.cat(tensors[n:]) if biases else None
+                if cast is not None:  # the same rounding the matmul's own cast would do
+                    w, b = w.to(cast), (b.to(cast) if b is not None else None)
             self._cache = (key, w, b)
         return self._cache[1], self._cache[2]
 
