@@ -20,6 +20,7 @@ class PeftConfig:
     # ["all-linear"]: every linear layer of the body (peft's "all-linear": not the output head)
     r: int = 8  # lora rank
     alpha: float = 16.0  # lora scaling alpha / r
+    dora: bool = False  # lora: weight-decomposed (DoRA, Liu et al. 2024): a trained magnitude per row (use_dora)
     rslora: bool = False  # lora: scale by alpha / sqrt(r) (rank-stabilised LoRA, Kalajdzievski 2023; peft use_rslora)
     dropout: float = 0.0  # lora: dropout on the input of A
     bias: str = "none"  # lora: biases trained with the adapter: none, all (every bias of the body), lora_only

@@ -201,6 +201,7 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
     shapes: dict[str, tuple[int, float]] = {}  # hf module -> (rank, alpha)
     fan_in_fan_out = False
     rslora = peft_state(model).configs[name].rslora  # alpha / sqrt(r): written as peft's use_rslora
+    dora = peft_state(model).configs[name].dora  # + lora_magnitude_vector per module: peft's use_dora
     for module, ours in by_module.items():
         ours.sort(key=lambda n: places[n].start)
         out_rows = max(places[n].stop for n in ours) if len(ours) > 1 else None
@@ -225,6 +226,11 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
             shapes[module] = (r, math.sqrt(r) if rslora else float(r))  # scaling 1
         tensors[f"{HF_PREFIX}{module}.lora_A.weight"] = A
         tensors[f"{HF_PREFIX}{module}.lora_B.weight"] = B
+        if dora:  # DoRA's magnitude is per output row: a fused HF matrix gets its layers' rows in order
+            if any(name not in m.lora_magnitude for m in layers):
+                raise PeftError(f"{module}: some of its layers use DoRA and some do not; peft cannot express that")
+            tensors[f"{HF_PREFIX}{module}.lora_magnitude_vector"] = torch.cat(
+                [m.lora_magnitude[name].detach() for m in layers])
     modules_to_save = []
     if head_tensors:
         head_cfg = model.config.replace(**head_fields)
@@ -246,7 +252,7 @@ def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace
         "fan_in_fan_out": fan_in_fan_out, "modules_to_save": sorted(set(modules_to_save)) or None,
         "rank_pattern": {m: s[0] for m, s in shapes.items() if s[0] != r},
         "alpha_pattern": {m: s[1] for m, s in shapes.items() if s[1] != alpha},
-        "use_rslora": rslora, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "use_rslora": rslora, "use_dora": dora, "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": None, "revision": None, "layers_to_transform": None, "layers_pattern": None,
     }
     return tensors, peft_cfg
@@ -417,8 +423,11 @@ def _load_pretune(model, path: Path, tensors, name: str, meta: dict) -> None:
 def _relora(model, module: str, name: str, tensors, scaling: float, p: float) -> None:
     layer = model.get_submodule(module)
     r = tensors[f"{module}.lora_A.weight"].shape[0]
+    dora = name in layer.lora_magnitude
     layer.remove(name)
     layer.add_lora(name, r, scaling * r, p)
+    if dora:
+        layer.add_dora(name)  # its magnitude is read from the file next
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -437,7 +446,7 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
     if kind != "LORA":
         raise PeftError(f"{cfg_file}: peft_type {kind!r} is not supported; pretune reads peft LoRA adapters "
                         "(other methods are saved in pretune's own layout)")
-    for flag, why in (("use_dora", "DoRA"), ("lora_bias", "LoRA biases")):
+    for flag, why in (("lora_bias", "LoRA biases"),):
         if pc.get(flag):
             raise PeftError(f"{cfg_file}: {why} ({flag}=true) is not supported")
     bias = pc.get("bias") or "none"
@@ -451,11 +460,14 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
     for k, t in sorted(tensors.items(), key=lambda kv: copy_rank(kv[0])):
         k = k[len(HF_PREFIX):] if k.startswith(HF_PREFIX) else k
         k = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", k)  # older files keep the adapter name
+        k = re.sub(r"\.lora_magnitude_vector(\.[^.]+)?(\.weight)?$", ".lora_magnitude_vector", k)  # DoRA
         k = re.sub(r"\.modules_to_save(\.[^.]+)?\.(weight|bias)$", r".\2", k)  # (with or without the adapter name)
         k = k.replace(".original_module.", ".").replace(".base_layer.", ".")
         stripped[k] = t
     lora_modules = sorted({k.rsplit(".", 2)[0] for k in stripped if re.search(r"\.lora_[AB]\.weight$", k)})
-    rest = {k: t for k, t in stripped.items() if not re.search(r"\.lora_[AB]\.weight$", k)}
+    lora_key = r"\.(lora_[AB]\.weight|lora_magnitude_vector)$"
+    rest = {k: t for k, t in stripped.items() if not re.search(lora_key, k)}
+    dora = bool(pc.get("use_dora"))
     head_hf = {k: t for k, t in rest.items() if k.startswith(_HF_HEADS) or not k.endswith(".bias")}
     bias_hf = {k: t for k, t in rest.items() if k not in head_hf}
     mods = list(linear_modules(model))
@@ -492,10 +504,17 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
             with torch.no_grad():
                 layer.lora_A[name].weight.copy_(A)
                 layer.lora_B[name].weight.copy_(B[place.start:place.stop])
+                if dora:
+                    magnitude = stripped.get(f"{module}.lora_magnitude_vector")
+                    if magnitude is None or magnitude.shape[0] < place.stop:
+                        raise PeftError(f"{path}: use_dora is set but {module} has no lora_magnitude_vector of "
+                                        f"{place.stop} rows")
+                    layer.add_dora(name)
+                    layer.lora_magnitude[name].copy_(magnitude[place.start:place.stop])
             layers_seen.append(n)
     state = peft_state(model)
     state.configs[name] = PeftConfig(method="lora", targets=layers_seen, r=r0, alpha=alpha0, dropout=dropout,
-                                     bias=bias, rslora=rslora)
+                                     bias=bias, rslora=rslora, dora=dora)
     if bias_hf:
         _load_hf_biases(model, name, bias_hf, path)
     if head_hf:

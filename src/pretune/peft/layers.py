@@ -2,7 +2,8 @@
 the model's PeftState routes to it: to every row of the batch, or (mixed batches) each adapter to
 its own rows. Base weights are wrapped in place, never copied.
 
-  PeftLinear     LoRA (y += s * B A x) and (IA)3 (y *= l, or x *= l for the FFN inner activation): a
+  PeftLinear     LoRA (y += s * B A x; DoRA: a trained magnitude per output row over the direction W0 + s B A)
+                 and (IA)3 (y *= l, or x *= l for the FFN inner activation): a
                  WrappedLinear around the nn.Linear it changes
   BranchAdapter  Houlsby adapters: h + up(act(down(h))) on a residual branch's output (it wraps the branch's
                  output dropout)
@@ -27,7 +28,7 @@ PREFIX_DICT = "peft_prefix"  # the model attribute (an nn.ModuleDict) holding pr
 PROMPT_DICT = "peft_prompt"  # ... holding soft prompts
 # every name part that marks a PEFT parameter (module attributes of the classes below and the two dicts above);
 # a parameter name holds one of them followed by the adapter name
-PEFT_PARTS = ("lora_A", "lora_B", "ia3", "adapters", PREFIX_DICT, PROMPT_DICT, "adapter_heads")
+PEFT_PARTS = ("lora_A", "lora_B", "lora_magnitude", "ia3", "adapters", PREFIX_DICT, PROMPT_DICT, "adapter_heads")
 
 
 class PeftState:
@@ -68,6 +69,8 @@ class PeftLinear(WrappedLinear):
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         self.ia3 = nn.ParameterDict()
+        self.lora_magnitude = nn.ParameterDict()  # DoRA: m, the norm of each output row of the adapted weight
+        self._dora_norms: dict[str, torch.Tensor] = {}  # DoRA: ||W0 + s B A|| of a merged adapter (to unmerge)
         self.lora_scaling: dict[str, float] = {}
         self.lora_dropout: dict[str, float] = {}
         self.ia3_input = False  # (IA)3 scales the input (FFN inner activation) rather than the output
@@ -103,13 +106,39 @@ class PeftLinear(WrappedLinear):
         self.lora_A[name], self.lora_B[name] = A, B
         self.lora_scaling[name], self.lora_dropout[name] = alpha / (math.sqrt(r) if rslora else r), p
 
+    def add_dora(self, name: str) -> None:
+        """Make LoRA adapter ``name`` weight-decomposed (DoRA, Liu et al. 2024): W = m (W0 + s B A) / ||W0 + s B A||
+        row by row, m trained and initialised to the rows' norms (so the adapted layer starts equal to the base)."""
+        with torch.no_grad():
+            self.lora_magnitude[name] = nn.Parameter(self.dora_norm(name).float().clone())
+
+    def dora_norm(self, name: str) -> torch.Tensor:
+        """||W0 + s B A|| of every output row, outside the autograd graph (as DoRA §4.3 and peft treat it)."""
+        with torch.no_grad():
+            w = self.base_layer.weight
+            delta = self.lora_B[name].weight @ self.lora_A[name].weight
+            return torch.linalg.norm(w.float() + self.lora_scaling[name] * delta.float(), dim=1)
+
+    def dora_delta(self, name: str, x: torch.Tensor, y0: torch.Tensor) -> torch.Tensor:
+        """What DoRA adds to the base output ``y0 = base_layer(x)``: (m/n - 1) W0 x + (m/n) s B A x (n the row norms
+        above); with LoRA dropout in training the W0 x term reads the dropped-out input, as peft computes it."""
+        scale = self.lora_magnitude[name] / self.dora_norm(name)  # (out,)
+        p = self.lora_dropout[name]
+        if p > 0 and self.training:
+            x = dropout(x, p, True)
+            base = F.linear(x, self.base_layer.weight.to(x.dtype))
+        else:
+            base = y0 - self.base_layer.bias if self.base_layer.bias is not None else y0
+        lora = self.lora_B[name](self.lora_A[name](x)) * self.lora_scaling[name]
+        return (scale - 1) * base + scale * lora
+
     def add_ia3(self, name: str, on_input: bool) -> None:
         n = self.in_features if on_input else self.out_features
         self.ia3[name] = nn.Parameter(torch.ones(n, device=self.weight.device))
         self.ia3_input = on_input
 
     def remove(self, name: str) -> None:
-        for d in (self.lora_A, self.lora_B, self.ia3):
+        for d in (self.lora_A, self.lora_B, self.ia3, self.lora_magnitude):
             if name in d:
                 del d[name]
         self.lora_scaling.pop(name, None)
@@ -138,9 +167,15 @@ class PeftLinear(WrappedLinear):
         routes = self.state.routes()
         if not self.ia3_input:
             y = self._scale(y, routes)
+        y0 = y
         for name, rows in routes:
             if name in self.lora_A and name not in self.merged:
-                y = _merge_rows(y, rows, self.lora_delta(name, x if rows is None else x[rows]))
+                xs = x if rows is None else x[rows]
+                if name in self.lora_magnitude:
+                    delta = self.dora_delta(name, xs, y0 if rows is None else y0[rows])
+                else:
+                    delta = self.lora_delta(name, xs)
+                y = _merge_rows(y, rows, delta)
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +200,12 @@ class PeftLinear(WrappedLinear):
                 W.mul_(vec[:, None])
                 if b is not None:
                     b.mul_(vec.to(b.dtype))
-        if name in self.lora_A:
+        if name in self.lora_magnitude:  # W <- (m / ||W0 + s B A||) (W0 + s B A), row by row
+            norm = self.dora_norm(name)
+            self._dora_norms[name] = norm
+            W.add_(self.delta_weight(name).to(W.dtype))
+            W.mul_((self.lora_magnitude[name] / norm).to(W.dtype)[:, None])
+        elif name in self.lora_A:
             W.add_(self.delta_weight(name).to(W.dtype))
         self.merged.append(name)
 
@@ -174,6 +214,8 @@ class PeftLinear(WrappedLinear):
         if name not in self.merged:
             return
         W, b = self.base_layer.weight, self.base_layer.bias
+        if name in self.lora_magnitude:
+            W.div_((self.lora_magnitude[name] / self._dora_norms.pop(name)).to(W.dtype)[:, None])
         if name in self.lora_A:
             W.sub_(self.delta_weight(name).to(W.dtype))
         if name in self.ia3:
@@ -188,6 +230,7 @@ class PeftLinear(WrappedLinear):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, lora={list(self.lora_A)}, ia3={list(self.ia3)}"
+                + (f", dora={list(self.lora_magnitude)}" if self.lora_magnitude else "")
                 + (f", merged={self.merged}" if self.merged else ""))
 
 

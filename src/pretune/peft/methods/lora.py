@@ -1,8 +1,9 @@
 """LoRA (Hu et al. 2021): W = W0 + (alpha/r) B A on the target linear layers (rsLoRA: alpha/sqrt(r)); A
-Kaiming-uniform, B zeros, so the adapted model starts equal to the base. ``targets=["all-linear"]``: every linear
-layer of the body, as peft's ``target_modules="all-linear"``. ``bias`` as in peft (and the lecture's LoRA code): ``none`` trains no
-bias, ``all`` every bias of the body, ``lora_only`` those of the adapted layers; trained biases are saved with
-the adapter (peft's adapter_config.json records the option)."""
+Kaiming-uniform, B zeros, so the adapted model starts equal to the base. ``dora``: DoRA (Liu et al. 2024), W =
+m (W0 + s B A) / ||W0 + s B A|| per output row with m trained (starting at ||W0||). ``targets=["all-linear"]``:
+every linear layer of the body, as peft's ``target_modules="all-linear"``. ``bias`` as in peft (and the lecture's
+LoRA code): ``none`` trains no bias, ``all`` every bias of the body, ``lora_only`` those of the adapted layers;
+trained biases are saved with the adapter (peft's adapter_config.json records the option)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..layers import PeftLinear
 
 NAME = "lora"
 HELP = "low-rank update W0 + (alpha/r) B A of the target linear layers (Hu et al. 2021)"
-PARTS = ("lora_A", "lora_B")
+PARTS = ("lora_A", "lora_B", "lora_magnitude")
 MERGEABLE = True  # folds into W0 (merge / peft merge)
 DEFAULT_LR = 1e-3  # when train.lr is not set (Hu et al. 2021: 2e-4..5e-4 for RoBERTa-base; small models: more)
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
@@ -53,6 +54,8 @@ def inject(model, cfg, name: str, ctx) -> None:
     for mod_name in found:
         layer: PeftLinear = wrap(model, mod_name)
         layer.add_lora(name, cfg.r, cfg.alpha, cfg.dropout, rslora=cfg.rslora)
+        if cfg.dora:
+            layer.add_dora(name)
         with torch.no_grad():  # A from our own generator: the same adapter for the same seed
             bound = 1.0 / layer.in_features ** 0.5  # kaiming_uniform(a=sqrt(5)) on (r, in) = U(+-1/sqrt(in))
             shape = layer.lora_A[name].weight.shape
