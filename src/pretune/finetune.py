@@ -362,6 +362,7 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         n = len(feats["train"])
         feats["train"] = task.pack(feats["train"], task.max_len)
         derived["data.packing"] = f"{n} examples packed into {len(feats['train'])} rows of <= {task.max_len} tokens"
+        log(f"data.packing: {n} training examples in {len(feats['train'])} rows of at most {task.max_len} tokens")
     cfg = _resolve_train(cfg, len(feats["train"]), method, derived,
                          task_head=model.config.head in TASK_HEADS and model.head is not None)
     method.setup(model, tok, cfg, log)
