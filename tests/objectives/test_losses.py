@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import pretune
-from pretune.objectives import causal_lm_loss, masked_lm_loss
 from pretune.model.fused_ce import fused_linear_cross_entropy
+from pretune.objectives import causal_lm_loss, masked_lm_loss
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
@@ -100,3 +100,23 @@ def test_fused_linear_cross_entropy_with_no_valid_target_is_zero_with_zero_grads
     assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
     empty = fused_linear_cross_entropy(torch.randn(0, 8, requires_grad=True), w, torch.zeros(0, dtype=torch.long))
     assert empty.item() == 0.0
+
+
+def test_a_frozen_head_is_cast_once_under_autocast_and_an_update_is_seen():
+    from pretune.model.fused_ce import _cast_frozen
+
+    w = torch.randn(50, 8)
+    h = torch.randn(6, 8, requires_grad=True)
+    t = torch.randint(0, 50, (6,))
+    first = _cast_frozen(w, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and _cast_frozen(w, torch.bfloat16) is first
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = fused_linear_cross_entropy(h, w, t)
+    w.mul_(2.0)  # an in-place update: the cached copy is stale
+    assert _cast_frozen(w, torch.bfloat16) is not first
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = fused_linear_cross_entropy(h, w, t)
+    ref = torch.nn.functional.cross_entropy((h.bfloat16() @ w.bfloat16().t()).float(), t)
+    assert b.item() == pytest.approx(ref.item(), rel=1e-3) and a.item() != b.item()
+    trained = torch.randn(50, 8, requires_grad=True)
+    assert _cast_frozen(trained, torch.bfloat16) is not _cast_frozen(trained, torch.bfloat16)  # autograd needs it

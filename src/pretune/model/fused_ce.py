@@ -9,9 +9,29 @@ log_softmax backward). The idea of Liger-Kernel's FusedLinearCrossEntropy, writt
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 IGNORE_INDEX = -100
+
+
+_CASTS: dict[int, tuple] = {}  # id(frozen weight) -> (weakref to it, key, its low-precision copy); freed with it
+
+
+def _cast_frozen(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.to(dtype)``, kept for the next call while the weight is frozen and unchanged (a LoRA run's tied
+    embedding: 28M parameters cast once instead of once per step; an in-place update bumps ``_version``)."""
+    if weight.dtype == dtype or weight.requires_grad or torch.compiler.is_compiling():
+        return weight.to(dtype)
+    key = (weight.data_ptr(), weight._version, dtype)
+    hit = _CASTS.get(id(weight))
+    if hit is None or hit[0]() is not weight or hit[1] != key:
+        if len(_CASTS) >= 4:  # models come and go: keep the copies of the few heads in use
+            _CASTS.clear()
+        i = id(weight)
+        hit = _CASTS[i] = (weakref.ref(weight, lambda _: _CASTS.pop(i, None)), key, weight.detach().to(dtype))
+    return hit[2]
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -20,7 +40,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         dev = h.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
         with torch.autocast(h.device.type, enabled=False):
-            hc, wc = h.to(dtype), weight.to(dtype)
+            hc, wc = h.to(dtype), _cast_frozen(weight, dtype)
             valid = targets != IGNORE_INDEX
             n = valid.sum().clamp(min=1)
             need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen head (PEFT) skips grad_w
