@@ -1,0 +1,48 @@
+"""The memory-bandwidth floor of decoding one token with SmolLM2-135M on this machine: the time to read every weight
+once, measured two ways — the bare matrix-vector products of one token run back to back (each linear layer and the
+LM head, no attention or norms), and a sum over all the weights. Divide by eager / compiled ms per token
+(``pretune bench generate``) for the fraction of the floor they reach (BENCHMARKS.md, bench generate).
+
+    .venv/bin/python scripts/decode_floor.py
+"""
+
+import statistics
+import time
+
+import torch
+
+import pretune
+from pretune.realmodels import smollm2_dir
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    model = pretune.from_hf(smollm2_dir()).eval()
+    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.head.weight]
+    params = list(model.parameters())
+    mb = sum(p.numel() * p.element_size() for p in params) / 1e6
+    x = {n: torch.randn(1, n) for n in {w.shape[1] for w in mats}}
+
+    def matvecs():
+        for w in mats:
+            torch.nn.functional.linear(x[w.shape[1]], w)
+
+    def sums():
+        for p in params:
+            p.sum()
+
+    with torch.inference_mode():
+        for name, fn in (("matvecs", matvecs), ("sum", sums)):
+            fn()
+            times = []
+            for _ in range(20):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            best, med = min(times) * 1e3, statistics.median(times) * 1e3
+            print(f"{name}: best {best:.1f} ms, median {med:.1f} ms for {mb:.0f} MB "
+                  f"({mb / best:.1f} GB/s at best)")
+
+
+if __name__ == "__main__":
+    main()
