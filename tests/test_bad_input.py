@@ -390,6 +390,34 @@ def c_tokenizer_file_not_json(w, d):
     return _pt(w, d / "run", "--tokenizer", str(f)), [str(f)]
 
 
+def _sft(w, out, train, *extra):
+    return ["finetune", "--model", str(w["gpt"]), "--task", "sft", "--train", str(train), "--out", str(out),
+            "--epochs", "1", "--batch-size", "4", "--quiet", "train.plot=false", *extra]
+
+
+def c_sft_record_without_prompt_messages_or_text(w, d):
+    f = _jsonl(d / "chat.jsonl", [{"prompt": "a", "completion": " b"}] * 5 + [{"question": "q", "answer": "a"}] * 5)
+    return _sft(w, d / "run", f), [f"{f}:6", "'prompt'", "'messages'", "question"]
+
+
+def c_sft_message_without_content(w, d):
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 8
+    rows[4] = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "yo"}]}
+    f = _jsonl(d / "chat.jsonl", rows)
+    return _sft(w, d / "run", f), [f"{f}:5", "message 1"]
+
+
+def c_sft_prompt_template_naming_a_missing_field(w, d):
+    f = _jsonl(d / "train.jsonl", [{"text": "a b c", "label": "x"}] * 10)
+    return _sft(w, d / "run", f, "task.prompt_template=Q: {question}", "task.completion_field=label"), [
+        f"{f}:1", "'question'"]
+
+
+def c_sft_packing_with_prompt_tuning(w, d):
+    f = _jsonl(d / "train.jsonl", [{"prompt": "a", "completion": " b"}] * 10)
+    return _sft(w, d / "run", f, "data.packing=true", "--peft", "prompt"), ["data.packing", "prompt"]
+
+
 CASES = {name[2:]: fn for name, fn in dict(globals()).items() if name.startswith("c_") and callable(fn)}
 
 

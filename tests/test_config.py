@@ -120,3 +120,13 @@ def test_constructor_with_unknown_keyword_suggests_the_nearest_key():
 def test_position_offset_without_learned_positions_is_rejected():
     with pytest.raises(ConfigError, match="position_offset"):
         ModelConfig(position="rope", position_offset=2)
+
+
+def test_text_settings_on_the_command_line_stay_text():
+    """"Question: {q}" would be a YAML mapping to OmegaConf's dot-list parser; a str setting keeps it as written."""
+    from pretune.finetune import load_finetune_config
+
+    cfg = load_finetune_config(None, ["task.prompt_template=Question: {q} Answer:", "task.prefix='sst2: '",
+                                      "task.max_len=64", "task.labels=[a, b]", "train.lr=1e-3"])
+    assert cfg.task.prompt_template == "Question: {q} Answer:" and cfg.task.prefix == "sst2: "
+    assert cfg.task.max_len == 64 and cfg.task.labels == ["a", "b"] and cfg.train.lr == 1e-3

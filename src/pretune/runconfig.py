@@ -235,9 +235,18 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
     for o in dots:
         if "=" not in o:
             raise ConfigError(f"override {o!r} must look like section.key=value (e.g. train.lr=1e-3)")
+    typed, strings = [], {}
+    for o in dots:  # a text setting keeps its value as written: "Question: {q}" is text, not a YAML mapping
+        key, _, value = o.partition("=")
+        if isinstance(_lookup(defaults, key), str):
+            _assign(strings, key, _unquote(value))
+        else:
+            typed.append(o)
     try:
-        if dots:
-            layers.append(OmegaConf.from_dotlist(dots))
+        if typed:
+            layers.append(OmegaConf.from_dotlist(typed))
+        if strings:
+            layers.append(OmegaConf.create(strings))
         # the model section is free-form (validated by ModelConfig); a preset change resets its overrides
         merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)
     except OmegaConfBaseException as e:
@@ -248,6 +257,35 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
     model = merged.get("model") or {}
     merged["model"] = {"preset": model} if isinstance(model, str) else dict(model)
     return merged
+
+
+def _lookup(tree: dict, dotted: str):
+    """The value at ``a.b.c`` of nested dicts, or None."""
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _assign(tree: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def _unquote(value: str) -> str:
+    """A value written with YAML quotes ('...' or "...") loses them, as from_dotlist would read it."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        import yaml
+
+        try:
+            out = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        return out if isinstance(out, str) else value
+    return value
 
 
 # what may change when a run is resumed: logging and saving cadence, threads, the folder's path (a moved run); a

@@ -119,6 +119,8 @@ def test_prompt_completion_and_text_formats(smol):
     assert labelled_text(tok, f) == "ham<|im_end|>\n"
     assert "<|im_start|>user\nIs this spam? hi there<|im_end|>" in tok.decode(f["input_ids"])
     assert tmpl.reference(Record("s:1", {"text": "hi there", "label": "ham"})) == "ham"
+    typed = sft(model.config, tok, prompt_template="Message: {text}\\nAnswer:")  # a "\n" from a command line
+    assert typed._prompt_text(Record("s:1", {"text": "hi"})) == "Message: hi\nAnswer:"
 
 
 def test_bad_records_name_the_row(smol):

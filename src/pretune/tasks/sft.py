@@ -104,8 +104,9 @@ class SFT(Seq2Seq):
         c = self.cfg
         if not c.prompt_template:
             return get_field(rec, c.prompt_field)
+        template = c.prompt_template.replace("\\n", "\n").replace("\\t", "\t")  # "\n" typed on a command line
         try:
-            names = [f for _, f, _, _ in string.Formatter().parse(c.prompt_template) if f]
+            names = [f for _, f, _, _ in string.Formatter().parse(template) if f]
         except ValueError as e:
             raise ConfigError(f"task.prompt_template={c.prompt_template!r} is not a format string ({e}); write "
                               "fields as {name} and a literal brace as {{ or }}") from None
@@ -114,7 +115,7 @@ class SFT(Seq2Seq):
             if not name.isidentifier():
                 raise ConfigError(f"task.prompt_template: {{{name}}} is not a field name")
             values[name] = get_field(rec, name, (str, int, float))
-        return c.prompt_template.format(**values)
+        return template.format(**values)
 
     def _messages(self, rec: Record, fmt: str) -> list[dict]:
         c = self.cfg
