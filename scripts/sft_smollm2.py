@@ -7,7 +7,8 @@ over seeds (the figures of BENCHMARKS.md, "Instruction finetuning (SFT) of SmolL
 Each record becomes a chat: the user asks "Is this SMS message spam? Answer ham or spam." followed by the message,
 the assistant answers the label (``task.chat=true``, ``task.prompt_template``, ``task.completion_field=label``); the
 loss falls on the answer and its end-of-turn token. Reported: the zero-shot dev/test metrics of the base model with
-the same prompts (generation through the same task), the loss transformers computes on the training set (per
+the same prompts (generation through the same task; also read leniently: 16 tokens, the label word anywhere in
+the answer), the loss transformers computes on the training set (per
 token) against pretune's first logged step, and per seed the dev/test metrics after training and the wall time.
 Writes <out>/results.json and prints a markdown table. Not a timed benchmark.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +50,7 @@ def zero_shot(folder: Path, files: dict[str, Path]) -> dict:
 
     from pretune.finetune import load_finetune_config, prepare
     from pretune.inference import evaluate_task
+    from pretune.tasks.metrics import compute
 
     cfg = load_finetune_config(None, overrides(files, **{"model.init": folder, "train.out": "/nonexistent",
                                                         "train.batch_size": 8}))
@@ -56,6 +59,15 @@ def zero_shot(folder: Path, files: dict[str, Path]) -> dict:
     for split in ("dev", "test"):
         metrics, _ = evaluate_task(job.task, job.model, job.records[split], batch_size=16, show_progress=False)
         out[split] = metrics
+    # read leniently: 16 tokens, "spam" anywhere in the answer (and not "not (a) spam") is spam, else ham
+    long = prepare(load_finetune_config(None, overrides(files, **{"model.init": folder, "train.out": "/nonexistent",
+                                                                  "task.max_target_len": 16})),
+                   show_progress=False, log=lambda *a, **k: None)
+    _, preds = evaluate_task(long.task, long.model, long.records["test"], batch_size=16, show_progress=False)
+    lenient = ["spam" if "spam" in p.lower() and not re.search(r"\bnot (a |an )?spam", p.lower()) else "ham"
+               for p in preds]
+    out["test_lenient"] = compute(["accuracy", "macro_f1"], lenient, [long.task.reference(r)
+                                                                     for r in long.records["test"]])
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     total = n = 0.0
     feats = job.features["train"]
@@ -105,7 +117,7 @@ def main() -> None:
         (args.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     zs = res["zero_shot"]
     print(f"zero-shot: dev {zs['dev']}, test {zs['test']}; transformers' mean loss on the training set "
-          f"{zs['hf_train_loss']:.3f}")
+          f"{zs['hf_train_loss']:.3f}; zero-shot read leniently (test): {zs['test_lenient']}")
     print("| seed | first step loss | dev acc | dev macro-F1 | test acc | test macro-F1 | steps | s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["runs"]:
