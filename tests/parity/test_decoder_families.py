@@ -313,3 +313,21 @@ def test_labels_loss_equals_transformers(pair):
         want = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
         got = ours(ids, attention_mask=mask, labels=labels).loss
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sft_loss_on_completion_only_labels_equals_transformers(pair, tokenizers_by_kind):
+    """The SFT task's loss (LM head on the labelled rows only) on prompt/completion-style labels (-100 on each row's
+    prompt and padding) equals transformers' loss on the same ids and labels."""
+    from pretune.tasks import TaskConfig, build_task
+    from pretune.tokenization import Tokenizer
+
+    hf, _, ours = pair
+    task = build_task(TaskConfig(name="sft"), ours.config, Tokenizer.load(tokenizers_by_kind["bpe"]))
+    ids, mask = _padded()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100  # the prompts
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
+        got, _ = task.loss(ours, batch, {k: float(v) for k, v in task.counts(batch).items()})
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
