@@ -233,3 +233,27 @@ def test_written_files_get_the_users_permissions_not_0600(tmp_path):
     finally:
         os.umask(umask)
     assert modes["model.safetensors"] == modes["config.json"] == 0o644
+
+
+def test_write_atomic_writes_whole_files_with_umask_permissions_and_leaves_nothing_on_failure(tmp_path):
+    import os
+
+    from pretune.outputs import write_atomic
+
+    f = tmp_path / "sub" / "out.json"
+    write_atomic(f, "é\n")
+    assert f.read_text(encoding="utf-8") == "é\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert f.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+    write_atomic(f, b"\x00\x01")
+    assert f.read_bytes() == b"\x00\x01"
+
+    def broken(fh):
+        fh.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(f, broken)
+    assert f.read_bytes() == b"\x00\x01"  # the old file, whole
+    assert [p.name for p in f.parent.iterdir()] == ["out.json"]  # no temporary file left

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from .config import ConfigError
 
 MARKER = ".pretune.json"
-__all__ = ["MARKER", "OutputError", "check_folder", "check_file", "owned_entries", "run_entries", "mark", "claim",
-           "clean_run_folder", "prepare_run_folder", "RUN_ENTRIES"]
+__all__ = ["MARKER", "OutputError", "write_atomic", "check_folder", "check_file", "owned_entries", "run_entries",
+           "mark", "claim", "clean_run_folder", "prepare_run_folder", "RUN_ENTRIES"]
 
 # what a pretraining or finetuning run writes into its folder (what --overwrite may remove; data/, the token store,
 # is a cache keyed by its inputs and stays)
@@ -35,6 +37,36 @@ RUN_ENTRIES = ("run.yaml", "metrics.jsonl", "metrics.csv", "tb", "loss.png", "ch
 
 class OutputError(ConfigError):
     """An output path pretune refuses to write to; the message names it and what to do."""
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO], None], *, fsync: bool = True
+                 ) -> Path:
+    """Write the file ``path`` through a temporary file beside it renamed into place, so that it is either the old
+    file or the whole new one: ``data`` is text (UTF-8), bytes, or a function writing to the binary file. The file
+    gets the permissions the umask allows (mkstemp makes 0600) and, with ``fsync``, reaches the disk before the
+    rename; a failed write leaves no temporary file."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as fh:
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def owned_entries(folder: str | os.PathLike) -> set[str]:

@@ -17,13 +17,11 @@ GPT-2's ``<|endoftext|>``) and, for a Hugging Face folder, from ``tokenizer_conf
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
 import itertools
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -31,6 +29,8 @@ from typing import Literal
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from .outputs import write_atomic
 
 __all__ = ["DEFAULT_SPECIALS", "KINDS", "ROLES", "SPECIAL_SETS", "Tokenizer", "TokenizerError", "load_tokenizer",
            "tokenizer_sha", "train_tokenizer"]
@@ -498,13 +498,14 @@ class Tokenizer:
         path = Path(path)
         file = path if path.suffix == ".json" and not path.is_dir() else path / "tokenizer.json"
         file.parent.mkdir(parents=True, exist_ok=True)
-        _write_text(file, self.tk.to_str(pretty=True))
+        write_atomic(file, self.tk.to_str(pretty=True))
         if file.name == "tokenizer.json" and (self.role_overrides or self.chat_template):
             # a model folder: what the tokenizer.json cannot hold goes beside it, as Hugging Face folders keep it
             config = {f"{role}_token": token for role, token in self.role_overrides.items()}
-            _write_text(file.parent / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+            text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+            write_atomic(file.parent / "tokenizer_config.json", text)
             if self.chat_template:
-                _write_text(file.parent / CHAT_TEMPLATE_NAME, self.chat_template)
+                write_atomic(file.parent / CHAT_TEMPLATE_NAME, self.chat_template)
         return file
 
     @classmethod
@@ -564,23 +565,6 @@ def read_chat_template(path: Path) -> str | None:
         if isinstance(value, str):
             return value
     return None
-
-
-def _write_text(file: Path, text: str) -> None:
-    """Write ``text`` to ``file`` atomically (temporary file + fsync + ``os.replace``), with umask permissions."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; an output is an ordinary file
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -243,19 +243,11 @@ def cmd_evaluate(args) -> int:
                        precision=args.precision, show_progress=not args.quiet, base=args.base or "")
     print(format_scores(Path(args.data).name, metrics))
     if args.json:
-        _write_text(Path(args.json), json.dumps(metrics, indent=2) + "\n")
+        from ..outputs import write_atomic
+
+        write_atomic(Path(args.json), json.dumps(metrics, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write through a temp file renamed into place."""
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def cmd_predict(args) -> int:

@@ -5,29 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import textwrap
 from pathlib import Path
 
 from ..config import ConfigError
 from ..data.readers import DataError
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Write through a temporary file beside ``path`` renamed into place: no half-written outputs."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; an output is an ordinary file
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from ..outputs import write_atomic
 
 
 def _write_jsonl(path: Path, rows) -> None:
@@ -35,7 +18,7 @@ def _write_jsonl(path: Path, rows) -> None:
         for row in rows:
             fh.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
 
-    _write_atomic(path, write)
+    write_atomic(path, write)
 
 
 def _out_kind(out: str | None, similarity: bool) -> str | None:
@@ -112,7 +95,7 @@ def cmd_embed(args) -> int:
             row = {t: k for k, t in enumerate(unique)}
             emb = emb[[row[t] for t in texts]]
         if kind == "npy":
-            _write_atomic(out, lambda fh: np.save(fh, emb))
+            write_atomic(out, lambda fh: np.save(fh, emb))
         else:
             _write_jsonl(out, ({"text": t, "embedding": e.tolist()} for t, e in zip(texts, emb)))
         print(f"embedded {len(texts):,} texts -> {out} ({emb.shape[0]} x {emb.shape[1]} float32, {how})")

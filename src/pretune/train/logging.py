@@ -15,11 +15,12 @@ import json
 import math
 import operator
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..outputs import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -89,7 +90,7 @@ class MetricsLogger:
             raise ValueError(f"resume_step ({resume_step}) must be >= 0")
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            _write_atomic_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         if not append:
             for old in (self.run_dir / TB_DIR).glob("events.out.tfevents.*"):
                 old.unlink()
@@ -149,20 +150,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             except json.JSONDecodeError:
                 warnings.warn(f"{path}:{n}: skipping unreadable metrics line {line[:80]!r}", stacklevel=2)
     return records
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    _umask = os.umask(0)
-    os.umask(_umask)
-    os.fchmod(fd, 0o666 & ~_umask)  # mkstemp makes 0600; an output is an ordinary file
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _ema(values: Sequence[float], beta: float) -> list[float]:
@@ -246,17 +233,7 @@ def plot_losses(metrics_path: str | os.PathLike, out_png: str | os.PathLike, *, 
         fig.suptitle(title)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    _umask = os.umask(0)
-    os.umask(_umask)
-    os.fchmod(fd, 0o666 & ~_umask)  # mkstemp makes 0600; an output is an ordinary file
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(out, lambda fh: fig.savefig(fh, format="png"), fsync=False)
     return out
 
 
