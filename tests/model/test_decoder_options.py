@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from decoder_fixtures import V, ids, perturbed
 
 from pretune import ConfigError, KVCache, ModelConfig, build_model
 from pretune.model.position import RotaryPositions, llama3_inv_freq
 
-V = 100
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -25,21 +25,6 @@ def tiny(**kw) -> ModelConfig:
                 dropout=0.0, attn_dropout=0.0, position="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu",
                 bias=False, embed_norm=False, token_types=0)
     return ModelConfig(**{**base, **kw})
-
-
-def perturbed(cfg: ModelConfig, seed: int = 0):
-    """Norm weights start at 1 and biases at 0: perturb every tensor so each one takes part."""
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
-
-
-def ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 # --- Llama 3.x RoPE scaling -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from decoder_fixtures import V, ids, perturbed
 
 from pretune import ConfigError, ModelConfig, build_model
 from pretune.model.attention import Attention
@@ -19,7 +20,6 @@ from pretune.model.layers import NORMS, RMSNormPlusOne
 from pretune.model.transformer import Block
 from pretune.objectives.lm import lm_loss_sum
 
-V = 100
 GEMMA = dict(norm="rmsnorm_plus_one", scale_embeddings=True, ffn="geglu_tanh", head_dim=12)
 
 
@@ -28,20 +28,6 @@ def tiny(**kw) -> ModelConfig:
                 max_seq_len=64, dropout=0.0, attn_dropout=0.0, position="rope", norm="rmsnorm", norm_eps=1e-6,
                 norm_placement="pre", ffn="swiglu", bias=False, embed_norm=False, token_types=0)
     return ModelConfig(**{**base, **kw})
-
-
-def perturbed(cfg: ModelConfig, seed: int = 0):
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
-
-
-def ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 # --- (1 + w) RMSNorm ---------------------------------------------------------------------------------

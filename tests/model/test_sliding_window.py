@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoder_fixtures import V, ids, perturbed
 
-from pretune import ConfigError, ModelConfig, build_model
+from pretune import ConfigError, ModelConfig
 from pretune.model.attention import build_mask
 from pretune.model.cache import StaticKVCache
 
-V = 100
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -22,20 +22,6 @@ def tiny(**kw) -> ModelConfig:
                 max_seq_len=64, dropout=0.0, attn_dropout=0.0, position="rope", norm="rmsnorm", norm_placement="pre",
                 ffn="swiglu", bias=False, embed_norm=False, token_types=0, sliding_window=3)
     return ModelConfig(**{**base, **kw})
-
-
-def perturbed(cfg: ModelConfig, seed: int = 0):
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
-
-
-def ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ from pathlib import Path
 from .common import add_run_arguments, spawn_worker
 
 IMPLS = ("pretune", "transformers")
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "bundled" / "tasks" / "sms_spam"  # pretune/bundled: shipped whole
+# pretune/bundled: shipped whole
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "bundled" / "tasks" / "sms_spam"
 TARGET_RATIO = 1.3  # transformers seconds / pretune seconds
 TARGET_POINTS = 0.5  # |test accuracy difference| in percentage points
 

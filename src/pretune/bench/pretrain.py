@@ -43,7 +43,8 @@ SHAPE = dict(n_layers=6, dim=512, n_heads=8, ffn_dim=2048, vocab_size=30522)
 # the corpus the figures in BENCHMARKS.md were measured on (../shared/data/corpus beside a checkout, 13.2 MB); in an
 # installed package without it, the (smaller) corpus shipped with pretune
 _SHARED_CORPUS = Path(__file__).resolve().parents[4] / "shared" / "data" / "corpus"
-DEFAULT_CORPUS = _SHARED_CORPUS if _SHARED_CORPUS.is_dir() else Path(__file__).resolve().parents[1] / "bundled" / "corpus"
+_BUNDLED_CORPUS = Path(__file__).resolve().parents[1] / "bundled" / "corpus"
+DEFAULT_CORPUS = _SHARED_CORPUS if _SHARED_CORPUS.is_dir() else _BUNDLED_CORPUS
 DEFAULT_CACHE = Path("~/.cache/pretune/bench")
 
 

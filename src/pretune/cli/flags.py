@@ -44,8 +44,8 @@ FINETUNE_FLAGS = (
     Flag("--train", "data.train", "training records"),
     Flag("--dev", "data.dev", "dev records (default: 10%% of train held out)"),
     Flag("--test", "data.test", "test records, scored at the end"),
-    Flag("--epochs", "tune.epochs", "passes over the training data (default 3; sets train.steps; 0: train for train.steps "
-         "instead)", type=float),
+    Flag("--epochs", "tune.epochs", "passes over the training data (default 3; sets train.steps; 0: train for "
+         "train.steps instead)", type=float),
     Flag("--from-scratch", "tune.from_scratch", "same architecture, random weights", switch=True),
     Flag("--freeze-body", "tune.freeze_body", "train only the task head", switch=True),
     Flag("--peft", "peft.method", "parameter-efficient: lora, adapter, prefix, prompt, ia3, embeddings, bitfit or a "

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..model.fused_ce import fused_linear_cross_entropy
 from ..model.heads import LMHead
 from .base import IGNORE, Objective, summed_ce
-from ..model.fused_ce import fused_linear_cross_entropy
 
 
 def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,

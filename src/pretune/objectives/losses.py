@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.heads import LMHead
 from ..model.fused_ce import fused_linear_cross_entropy
+from ..model.heads import LMHead
 
 IGNORE_INDEX = -100
 

@@ -37,6 +37,7 @@ class Seq2Seq(Task):
             raise ConfigError(f"task {self.name!r} needs an EOS (or SEP) token; the tokenizer has neither")
         self.start = model_cfg.decoder_start_token_id
         self.layout = layout_of(model_cfg, cfg.layout)
+        self.stop_ids = [self.eos]  # generation stops at any of these (sft adds the chat's end-of-turn tokens)
 
     def records(self) -> dict:
         return {} if self.layout.encoder_decoder else {"decoder_layout": self.layout.name}
@@ -77,7 +78,7 @@ class Seq2Seq(Task):
     @torch.no_grad()
     def generate(self, model, batch, max_new_tokens: int | None = None) -> list[list[int]]:
         """Greedy decoding of a batch (``generate()``: left-padded prompts, KV cache): generated ids per example,
-        EOS and what follows it excluded."""
+        the first stop token (EOS) and what follows it excluded."""
         n = max_new_tokens or self.cfg.max_target_len
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if not self.layout.encoder_decoder:  # decoders: each row's prompt, left-padded
@@ -89,10 +90,11 @@ class Seq2Seq(Task):
                 left[i, width - k:] = ids[i, :k]
                 left_mask[i, width - k:] = 1
             ids, mask = left, left_mask
-        out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=self.eos, pad_token_id=self.pad_id,
+        out = generate(model, ids, mask, max_new_tokens=n, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                        layout=self.layout.name)
         rows = self.layout.new_tokens(out, ids.shape[1]).tolist()
-        return [row[: row.index(self.eos)] if self.eos in row else row for row in rows]
+        stops = set(self.stop_ids)
+        return [row[: next((j for j, t in enumerate(row) if t in stops), len(row))] for row in rows]
 
     def outputs(self, model, batch):
         return self.generate(model, batch)

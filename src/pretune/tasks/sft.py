@@ -263,25 +263,6 @@ class SFT(Seq2Seq):
                 out[i] = ids
         return out
 
-    @torch.no_grad()
-    def generate(self, model, batch, max_new_tokens: int | None = None) -> list[list[int]]:
-        """Greedy decoding of each row's prompt (left-padded, KV cache) until EOS or an end-of-turn token: the
-        generated ids per example, the stop token and what follows excluded."""
-        from ..generation.decode import generate
-
-        ids, lengths = batch["input_ids"], batch["prompt_len"]
-        width = int(lengths.max())
-        left = torch.full((ids.shape[0], width), self.pad_id, dtype=torch.long, device=ids.device)
-        left_mask = torch.zeros_like(left)
-        for i, k in enumerate(lengths.tolist()):
-            left[i, width - k:] = ids[i, :k]
-            left_mask[i, width - k:] = 1
-        out = generate(model, left, left_mask, max_new_tokens=max_new_tokens or self.cfg.max_target_len,
-                       eos_token_id=self.stop_ids, pad_token_id=self.pad_id, layout="causal")
-        stops = set(self.stop_ids)
-        rows = out[:, width:].tolist()
-        return [row[: next((j for j, t in enumerate(row) if t in stops), len(row))] for row in rows]
-
     def predict(self, records, features, outputs):
         return [self.tok.decode(ids, skip_special_tokens=True).strip() for ids in outputs]
 
