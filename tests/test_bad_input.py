@@ -132,6 +132,17 @@ def c_pretrain_resume_without_checkpoints(w, d):
     return _pt(w, run, "train.keep_last=0", "--resume"), ["nothing to resume", str(run), "no checkpoint"]
 
 
+def c_distill_from_a_classifier(w, d):
+    teacher = w["ft"] / "model"
+    return (["distill", "--teacher", str(teacher), "--preset", "tiny-bert-base", "--data", str(w["corpus"]), "--out",
+             str(d / "run"), "--steps", "2", "--quiet"], [str(teacher), "head='classification'", "mlm"])
+
+
+def c_distill_with_temperature_zero(w, d):
+    return (["distill", "--teacher", str(w["pt"] / "model"), "--temperature", "0", "--data", str(w["corpus"]),
+             "--out", str(d / "run"), "--quiet"], ["objective.temperature=0.0", "> 0"])
+
+
 def c_pretrain_resume_with_a_changed_config(w, d):
     run = _copy(w["pt"], d)
     return (_pt(w, run, "--resume", "data.block_size=30", "train.lr=0.01"),
@@ -343,6 +354,14 @@ def c_tokenizer_train_on_latin1(w, d):
             "--quiet"], [f"{f}:1", "UTF-8"]
 
 
+def c_tokenizer_sentencepiece_folder_of_an_unknown_family(w, d):
+    hf = d / "xlnet"
+    hf.mkdir()
+    (hf / "spiece.model").write_bytes(b"\x00")
+    (hf / "config.json").write_text('{"model_type": "xlnet"}')
+    return ["tokenizer", "encode", str(hf), "some text"], [str(hf), "model_type 'xlnet'", "T5Tokenizer"]
+
+
 def c_data_tokenize_into_user_files(w, d):
     v = _victim(d)
     return ["data", "tokenize", str(w["corpus"]), "--tokenizer", str(w["tok"]), "--out", str(v), "--quiet"], [
@@ -384,6 +403,28 @@ def c_convert_from_hf_without_config(w, d):
     return ["convert", "--from-hf", str(d / "hf"), "--out", str(d / "x")], [str(d / "hf"), "config.json"]
 
 
+def c_electra_on_a_model_without_its_rtd_head(w, d):
+    return _pt(w, d / "run", "--objective", "electra"), ["'electra'", "head='mlm'", "model.head=rtd"]
+
+
+def c_convert_from_hf_electra_multiple_choice(w, d):
+    T = pytest.importorskip("transformers")
+    hf = d / "mc"
+    T.ElectraForMultipleChoice(T.ElectraConfig(vocab_size=50, embedding_size=8, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, intermediate_size=20)).save_pretrained(hf)
+    return ["convert", "--from-hf", str(hf), "--out", str(d / "x")], [str(hf), "ElectraForMultipleChoice"]
+
+
+def c_convert_from_hf_deberta_v2_with_a_convolution(w, d):
+    T = pytest.importorskip("transformers")
+    hf = d / "xl"  # DeBERTa-v2 xlarge's convolution beside the first layer: no pretune equivalent
+    T.DebertaV2Model(T.DebertaV2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=20, relative_attention=True, position_buckets=8,
+                                       pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                       position_biased_input=False, conv_kernel_size=3)).save_pretrained(hf)
+    return ["convert", "--from-hf", str(hf), "--out", str(d / "x")], [str(hf), "conv_kernel_size=3"]
+
+
 def c_tokenizer_file_not_json(w, d):
     f = d / "tok.json"
     f.write_text("not json at all")
@@ -416,6 +457,20 @@ def c_sft_prompt_template_naming_a_missing_field(w, d):
 def c_sft_packing_with_prompt_tuning(w, d):
     f = _jsonl(d / "train.jsonl", [{"prompt": "a", "completion": " b"}] * 10)
     return _sft(w, d / "run", f, "data.packing=true", "--peft", "prompt"), ["data.packing", "prompt"]
+
+
+def c_finetune_negative_train_limit(w, d):
+    return ["finetune", "--model", str(w["base"]), "--task", "classification", "--train", str(w["train"]), "--out",
+            str(d / "run"), "data.train_limit=-5"], ["data.train_limit=-5"]
+
+
+def c_sweep_unknown_grid_key(w, d):
+    spec = d / "sweep.yaml"
+    spec.write_text(json.dumps({"command": "finetune", "metrics": ["test.accuracy"], "out": str(d / "sweep"),
+                                "base": {"model.init": str(w["base"]), "task.name": "classification",
+                                         "data.train": str(w["train"])},
+                                "grid": {"train.lr": [1e-3], "tune.epoch": [1, 2]}}))  # JSON is YAML
+    return ["sweep", str(spec), "--quiet"], [str(spec), "tune.epoch", "did you mean 'epochs'"]
 
 
 CASES = {name[2:]: fn for name, fn in dict(globals()).items() if name.startswith("c_") and callable(fn)}

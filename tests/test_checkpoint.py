@@ -41,7 +41,8 @@ CASES = {
     "t5-tied-scaled": ("tiny-t5-small", {}),
     "t5-shared-enc-dec": ("tiny-t5-small", dict(share_encoder_decoder=True)),
     "llama-gqa": ("tiny-llama", {}),
-    "electra-factorised": ("tiny-electra-small", {}),
+    "electra-factorised": ("tiny-electra-small", {"head": "mlm"}),  # the generator: factorised, tied MLM head
+    "electra-discriminator": ("tiny-electra-small", {}),  # the replaced-token-detection head
     "albert-shared-layers": ("tiny-bert-base", dict(embed_dim=16, share_layers=True)),
 }
 
@@ -64,7 +65,9 @@ def test_round_trip_is_exact(tmp_path, case):
     # shared tensors are stored once and shared again after loading
     stored = load_file(tmp_path / "ckpt" / "model.safetensors")
     t = loaded.transformer
-    if loaded.config.tie_embeddings:
+    if loaded.config.head == "rtd":
+        assert "head.out.weight" in stored
+    elif loaded.config.tie_embeddings:
         assert loaded.head.weight is t.embed.weight
         assert "head.weight" not in stored
     else:

@@ -12,7 +12,6 @@ import torch
 from pretune.cli.embed import add_embed_parser
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
-from pretune.outputs import OutputError
 from pretune.embed import (
     cosine_matrix,
     embed_texts,
@@ -22,6 +21,7 @@ from pretune.embed import (
     rank_pairs,
     special_tokens,
 )
+from pretune.outputs import OutputError
 
 GUITAR = "A man is playing a guitar."
 PARAPHRASE = "Someone plays the guitar."

@@ -9,8 +9,7 @@ import pytest
 import pretune
 from pretune.checkpoint import CheckpointError, atomic_folder
 from pretune.cli import main
-from pretune.outputs import (MARKER, OutputError, check_file, check_folder, clean_run_folder, mark,
-                             owned_entries)
+from pretune.outputs import MARKER, OutputError, check_file, check_folder, clean_run_folder, mark, owned_entries
 
 
 def _user_files(folder):

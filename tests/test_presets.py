@@ -12,18 +12,29 @@ TINY = [n for n in preset_names() if n.startswith("tiny-")]
 
 # Exact counts: the same architecture built with transformers 5.x on the meta device
 # (BertForMaskedLM / RobertaForMaskedLM without pooler, OpenAIGPTLMHeadModel, GPT2LMHeadModel,
-# T5ForConditionalGeneration, LlamaForCausalLM with SmolLM2-135M's config), shared tensors counted once.
+# T5ForConditionalGeneration, LlamaForCausalLM with SmolLM2-135M's config, ElectraForPreTraining,
+# ModernBertForMaskedLM), shared tensors counted once.
 # The published, rounded figure is the second number (papers / model cards), checked within 1%.
 PARAMS = {
     "bert-base": (109_514_298, 110e6),  # Devlin et al. 2019: 110M
     "bert-large": (335_174_458, 335e6),  # HF model card: 335M (the paper rounds to 340M)
+    "distilbert-base": (66_985_530, 67e6),  # DistilBertForMaskedLM; HF distilbert-base-uncased card: 67M (body 66M)
     "roberta-base": (124_697_433, 125e6),  # Liu et al. 2019: 125M
     "gpt": (116_534_784, 117e6),  # Radford et al. 2018: 117M
     "gpt2": (124_439_808, 124e6),  # HF gpt2 model card: 124M (124,439,808 with tied embeddings)
     "gpt2-medium": (354_823_168, 355e6),  # HF gpt2-medium model card: 355M
+    "gpt2-large": (774_030_080, 774e6),  # HF gpt2-large model card: 774M
+    "gpt2-xl": (1_557_611_200, 1.56e9),  # HF gpt2-xl model card: 1.5B (1,557,611,200 with tied embeddings)
+    "modernbert-base": (149_655_232, 149e6),  # ModernBertForMaskedLM; HF answerdotai/ModernBERT-base card: 149M
+    "modernbert-large": (395_881_664, 395e6),  # ModernBertForMaskedLM; HF answerdotai/ModernBERT-large card: 395M
     "t5-small": (60_506_624, 60.5e6),  # Raffel et al. 2020 / HF t5-small: 60M
     "t5-base": (222_903_552, 223e6),  # Raffel et al. 2020: 220M; HF t5-base card: 223M
+    "bart-base": (139_420_416, 140e6),  # BartForConditionalGeneration; Lewis et al. 2019 / HF bart-base: 140M
+    "bart-large": (406_291_456, 406e6),  # HF facebook/bart-large card: 406M (the paper rounds to 400M)
     "llama": (134_515_008, 134.5e6),  # HuggingFaceTB/SmolLM2-135M: 134.5M
+    "electra-small": (13_549_057, 13.5e6),  # ElectraForPreTraining; Clark et al. 2020 round it to 14M
+    "electra-base": (109_483_009, 110e6),  # Clark et al. 2020: 110M
+    "electra-large": (335_142_913, 335e6),  # Clark et al. 2020: 335M
 }
 
 CHOICES = ("arch", "position", "ffn", "norm", "norm_placement", "tie_embeddings", "bias", "norm_bias", "head",
@@ -74,7 +85,8 @@ def test_tiny_preset_builds_and_runs(name):
     kw = dict(decoder_input_ids=ids[:, :3]) if cfg.arch == "encoder-decoder" else {}
     with torch.no_grad():
         out = model(ids, **kw)
-    assert out.logits.shape == (2, 3 if kw else 5, cfg.vocab_size)
+    per_token = (2, 5) if cfg.head == "rtd" else (2, 3 if kw else 5, cfg.vocab_size)  # rtd: one logit per token
+    assert out.logits.shape == per_token
     assert torch.isfinite(out.logits).all()
 
 

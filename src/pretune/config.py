@@ -21,16 +21,18 @@ Arch = Literal["encoder", "decoder", "encoder-decoder"]
 DecoderLayout = Literal["causal", "prefix_lm"]
 Norm = Literal["layernorm", "rmsnorm", "rmsnorm_plus_one"]
 NormPlacement = Literal["pre", "post", "sandwich"]
-Position = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope"]
+Position = Literal["none", "sinusoidal", "learned", "relative", "alibi", "rope", "disentangled"]
 RopeScaling = Literal["none", "llama3"]
 Ffn = Literal[
     "relu", "gelu", "gelu_tanh", "swish",  # original FFN: act(x W1 + b1) W2 + b2
     "glu", "bilinear", "reglu", "geglu", "geglu_tanh", "swiglu",  # gated: (act(xW) * xV) W2
 ]
-Head = Literal["none", "lm", "mlm", "classification", "regression", "tagging", "qa"]
+Head = Literal["none", "lm", "mlm", "rtd", "classification", "regression", "tagging", "qa"]
 TASK_HEADS = ("classification", "regression", "tagging", "qa")  # finetuning heads (model/heads.py)
-Pooling = Literal["pooler", "cls", "mean", "last"]
+Pooling = Literal["pooler", "cls", "mean", "last", "eos"]
+TaskStack = Literal["encoder", "decoder"]
 HeadAct = Literal["relu", "gelu", "gelu_tanh", "swish"]
+ClsAct = Literal["tanh", "relu", "gelu", "gelu_tanh", "swish"]
 
 
 class ConfigError(ValueError):
@@ -77,6 +79,8 @@ class ModelConfig:
     sliding_layers: list[int] | None = None  # the layers (0-based, in each stack) that use sliding_window; None:
     # every layer (Mistral); Gemma 2 alternates: [0, 2, 4, ...]
     embed_norm: bool = True  # norm after the embedding sum (BERT); pre-norm models use a final norm instead
+    first_attn_norm: bool = True  # pre-norm: layer 0 normalises its attention input; False: layer 0 reads the
+    # embedding norm's output as it is, with no norm of its own (ModernBERT)
     scale_embeddings: bool = False  # token embeddings times sqrt(dim), in their dtype (Gemma; Vaswani et al. 2017 §3.4)
     dropout: float = 0.1  # dropout on embeddings, attention output and FFN output
     attn_dropout: float = 0.1  # dropout on attention probabilities
@@ -90,8 +94,14 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths > rope_original_max_seq_len / this: divided by rope_factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths < rope_original_max_seq_len / this: kept; smooth between
     rope_original_max_seq_len: int = 8192  # llama3: the context length the model was pretrained with before scaling
+    rope_local_base: float | None = None  # RoPE base of the sliding-window layers (ModernBERT: 10000 beside a global
+    # 160000); None: rope_base on every layer
     relative_buckets: int = 32  # T5 relative bias: number of buckets
     relative_max_distance: int = 128  # T5 relative bias: distances beyond this share the last bucket
+    position_buckets: int = 256  # disentangled (DeBERTa): relative distances exact below position_buckets / 2, then
+    # log buckets up to max_relative_positions (DeBERTa-v3: 256); 0: no buckets, clipped at max_relative_positions
+    max_relative_positions: int = 512  # disentangled: the distance the last bucket reaches (DeBERTa: the
+    # max_position_embeddings); farther keys share it
 
     # --- embeddings and heads -----------------------------------------------------------------
     token_types: int = 2  # segment (token-type) embeddings, 0 for none (BERT uses 2)
@@ -100,21 +110,39 @@ class ModelConfig:
     tied_logit_scale: bool = False  # T5 v1.0: scale hidden states by dim**-0.5 before a tied LM head
     logit_softcap: float | None = None  # LM logits squashed to c * tanh(z / c) (Gemma 2: 30); None: off; task heads
     # ignore it
+    logit_bias: bool = False  # a fixed bias added to the LM logits: a buffer, saved and exported but never trained
+    # (BART's final_logits_bias); task heads ignore it
     share_layers: bool = False  # ALBERT cross-layer sharing: one block's weights used n_layers times
     share_encoder_decoder: bool = False  # T5 "enc-dec, shared": decoder reuses encoder attention/FFN weights
     head: Head = "mlm"  # mlm: BERT transform + tied decoder with bias; lm: plain linear; none: body only;
+    # rtd: ELECTRA's replaced-token detection (dense + head_act + one logit per token);
     # classification / regression / tagging / qa: finetuning heads (see model/heads.py)
-    head_act: HeadAct = "gelu"  # activation inside the MLM head transform
+    head_act: HeadAct = "gelu"  # activation inside the MLM head transform (and the task-head transform)
+    head_dense_bias: bool = True  # bias on the dense layer of the MLM head / task-head transform (ModernBERT: False)
+    head_transform: bool = False  # task heads put dense + head_act + norm before their output layer, on the pooled
+    # vector or on each token (ModernBERT's prediction head); False: BERT's heads
     pooler: bool = False  # BERT pooler (dense + tanh on [CLS]), kept when importing checkpoints that have one
+    pair_head: bool = False  # a 2-way classifier on the pooler output beside the MLM head: BERT's next-sentence /
+    # ALBERT's sentence-order prediction, kept so a pretrained model exports whole (AlbertForPreTraining)
     pad_token_id: int = 0  # padding token (used by importers and by decoder start for encoder-decoders)
     decoder_start_token_id: int = 0  # first decoder input of an encoder-decoder (T5: the pad token)
     eos_token_id: int | None = None  # end of sequence: generation ends a row there (None: the tokenizer's)
+    forced_bos_token_id: int | None = None  # generation: the first token after a one-token decoder start is always
+    # this one (bart-large, mBART: the language id or <s>); None: off
+    forced_eos_token_id: int | None = None  # generation: the token that reaches max_new_tokens is always this one
+    # (BART: </s>, so a cut-off summary still ends); None: off
 
     # --- finetuning heads (head in TASK_HEADS) ------------------------------------------------
     num_labels: int = 0  # outputs of a classification/tagging head (regression: 1; qa: 2, start and end)
     labels: list[str] | None = None  # label names, index = class id (the label map saved with the model)
     pooling: Pooling | None = None  # sentence vector for classification/regression; None: by family
-    # (pooler: BERT pooler; cls: first token + dense/tanh (RoBERTa); mean: masked mean; last: last real token (GPT))
+    # (pooler: BERT pooler; cls: first token + dense/tanh (RoBERTa); mean: masked mean; last: last real token (GPT);
+    # eos: the last eos_token_id of each row + dense/tanh (BART))
+    task_stack: TaskStack = "encoder"  # encoder-decoder task heads read the encoder, or the decoder fed the input
+    # shifted right after decoder_start_token_id (BART's *ForSequenceClassification / *ForQuestionAnswering; its
+    # sentence pooling defaults to eos)
+    cls_act: ClsAct = "tanh"  # activation after pooling='cls''s dense layer: tanh (RoBERTa), gelu (ELECTRA's
+    # classification head; recorded on ELECTRA bodies, so a classifier added later is ELECTRA's)
     classifier_dropout: float | None = None  # dropout before the task head (None: dropout)
     multi_label: bool = False  # classification: several labels per input, one sigmoid each (binary cross-entropy);
     # exported as transformers' problem_type="multi_label_classification"
@@ -144,7 +172,7 @@ class ModelConfig:
         if self.arch == "decoder":
             return "last"
         if self.arch == "encoder-decoder":
-            return "mean"
+            return "eos" if self.task_stack == "decoder" else "mean"
         return "pooler" if self.pooler else "cls"
 
     @property
@@ -158,6 +186,11 @@ class ModelConfig:
         if self.arch == "encoder-decoder":
             return f"{self.n_layers} enc + {self.decoder_layers} dec"
         return f"{self.n_layers}"
+
+    @property
+    def max_positions(self) -> int:
+        """Tokens a sequence may have: max_seq_len less the rows a learned table starts after (RoBERTa, BART: 2)."""
+        return self.max_seq_len - (self.position_offset if self.position == "learned" else 0)
 
     @property
     def final_norm(self) -> bool:
@@ -202,6 +235,21 @@ class ModelConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 (or None: off), got {getattr(self, name)}")
         self._check_sliding_window()
+        if self.position == "disentangled":
+            self._check_disentangled()
+        if self.rope_local_base is not None:
+            if self.position != "rope" or self.sliding_window is None:
+                raise ConfigError(f"rope_local_base applies to position='rope' with a sliding_window, got "
+                                  f"position={self.position!r}, sliding_window={self.sliding_window!r}")
+            if self.rope_local_base <= 0:
+                raise ConfigError(f"rope_local_base must be > 0 (or None: rope_base), got {self.rope_local_base}")
+        if not self.first_attn_norm:
+            if self.norm_placement != "pre":
+                raise ConfigError(f"first_attn_norm=False applies to norm_placement='pre' only, got "
+                                  f"norm_placement={self.norm_placement!r}")
+            if self.share_layers:
+                raise ConfigError("first_attn_norm=False cannot be combined with share_layers (one block serves "
+                                  "every layer)")
         if self.position == "sinusoidal" and self.embedding_dim % 2:
             raise ConfigError(f"sinusoidal positions need an even embedding width, got {self.embedding_dim}")
         for name in ("dropout", "attn_dropout"):
@@ -218,6 +266,8 @@ class ModelConfig:
             raise ConfigError(f"position_offset applies to position='learned' only, got position={self.position!r}")
         if self.head == "mlm" and self.arch != "encoder":
             raise ConfigError(f"head='mlm' needs arch='encoder' (got {self.arch!r}); use head='lm'")
+        if self.head == "rtd" and self.arch != "encoder":
+            raise ConfigError(f"head='rtd' (replaced-token detection) needs arch='encoder', got {self.arch!r}")
         if self.head in TASK_HEADS:
             want = {"regression": 1, "qa": 2}.get(self.head)
             if want is not None and self.num_labels != want:
@@ -236,12 +286,37 @@ class ModelConfig:
                                   "use 'cls' or 'mean'")
             if self.pooling == "last" and self.arch != "decoder":
                 raise ConfigError(f"pooling='last' is for decoder-only models (got arch={self.arch!r})")
+            if self.head in ("classification", "regression") and self.sentence_pooling == "eos" and (
+                    self.eos_token_id is None):
+                raise ConfigError("pooling='eos' (the default of task_stack='decoder') needs eos_token_id: the "
+                                  "state at each row's last EOS is classified")
+        if self.task_stack != "encoder" and self.arch != "encoder-decoder":
+            raise ConfigError(f"task_stack={self.task_stack!r} applies to arch='encoder-decoder' only, got "
+                              f"arch={self.arch!r}")
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name}={value} is not a token id (0 <= id < vocab_size={self.vocab_size})")
+        if self.pair_head and (self.head != "mlm" or not self.pooler):
+            raise ConfigError(f"pair_head (NSP/SOP) classifies the pooler output beside the MLM head: it needs "
+                              f"head='mlm' and pooler=True, got head={self.head!r}, pooler={self.pooler}")
         if self.multi_label and self.head != "classification":
             raise ConfigError(f"multi_label applies to head='classification' only, got head={self.head!r}")
         if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
             raise ConfigError(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
         if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):
             raise ConfigError("share_encoder_decoder needs n_decoder_layers equal to n_layers")
+
+    def _check_disentangled(self) -> None:
+        if self.kv_heads != self.n_heads or self.qk_norm:
+            raise ConfigError("position='disentangled' needs plain multi-head attention (n_kv_heads = n_heads, no "
+                              f"qk_norm), got n_kv_heads={self.kv_heads}, qk_norm={self.qk_norm}")
+        if self.position_buckets < 0 or self.position_buckets == 1:
+            raise ConfigError(f"position_buckets must be >= 2 (or 0: no buckets), got {self.position_buckets}")
+        least = self.position_buckets // 2 + 2 if self.position_buckets else 1  # log((max - 1) / mid) > 0
+        if self.max_relative_positions < least:
+            raise ConfigError(f"max_relative_positions must be >= {least} (position_buckets // 2 + 2, or 1 without "
+                              f"buckets), got {self.max_relative_positions}")
 
     def _check_sliding_window(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:

@@ -31,8 +31,8 @@ __all__ = ["MARKER", "OutputError", "write_atomic", "check_folder", "check_file"
 
 # what a pretraining or finetuning run writes into its folder (what --overwrite may remove; data/, the token store,
 # is a cache keyed by its inputs and stays)
-RUN_ENTRIES = ("run.yaml", "metrics.jsonl", "metrics.csv", "tb", "loss.png", "checkpoints", "model", "results.json",
-               "test_predictions.jsonl", MARKER)
+RUN_ENTRIES = ("run.yaml", "metrics.jsonl", "metrics.csv", "tb", "loss.png", "checkpoints", "model", "generator",
+               "results.json", "test_predictions.jsonl", MARKER)
 
 
 class OutputError(ConfigError):

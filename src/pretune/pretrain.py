@@ -130,18 +130,26 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
         if dist.is_main:
             print(f"model.init {init} has head={model.config.head!r}; adding a freshly initialised {need} head")
         model = model.with_head(head=need)  # e.g. MiniLM ships without its MLM head: continue with a fresh one
-    objective = build_objective(cfg.objective, model, tok)
+    teacher = None
+    if getattr(cfg.objective, "teacher", ""):  # distillation: the frozen model the student learns from
+        from .loading import load
+
+        with torch.random.fork_rng(devices=[]):  # building it draws an init: the student's run stays as it was
+            teacher = load(cfg.objective.teacher, merge=True)
+    objective = build_objective(cfg.objective, model, tok, teacher=teacher)
     records = objective.records()  # e.g. how a decoder lays out text (model/layout.py), saved with every checkpoint
     if any(getattr(model.config, k) != v for k, v in records.items()):
         model.config = model.transformer.config = model.config.replace(**records)
     mcfg = model.config
 
-    longest = objective.block_size(mcfg.max_seq_len)
+    longest = objective.block_size(mcfg.max_positions)  # a learned table with an offset (RoBERTa, BART) has fewer
     block_size = cfg.data.block_size or longest
     if block_size > longest:
+        skipped = mcfg.max_seq_len - mcfg.max_positions  # rows a learned table starts after (RoBERTa, BART: 2)
         raise ConfigError(f"data.block_size={block_size} does not fit the model: objective {objective.name!r} adds "
-                          f"{mcfg.max_seq_len - longest} token(s) (special tokens / target) and model.max_seq_len is "
-                          f"{mcfg.max_seq_len}, so blocks can hold at most {longest} tokens")
+                          f"{mcfg.max_positions - longest} token(s) (special tokens / target) and model.max_seq_len is "
+                          f"{mcfg.max_seq_len}{f' ({skipped} rows before the first position)' if skipped else ''}, "
+                          f"so blocks can hold at most {longest} tokens")
 
     run_dir = Path(cfg.train.out)
     store_dir = Path(cfg.data.store) if cfg.data.store else run_dir / "data"
@@ -224,7 +232,8 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
         tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
         if dist.is_main:
             counts = count_parameters(model)
-            extra = sum(p.numel() for p in objective.parameters() if all(p is not q for q in model.parameters()))
+            extra = sum(p.numel() for p in objective.parameters()  # a distillation teacher is frozen: not counted
+                        if p.requires_grad and all(p is not q for q in model.parameters()))
             log(f"pretune pretrain: {cfg.objective.name} on {model.config.arch} model "
                 f"({counts['total'] / 1e6:.2f}M parameters"
                 f"{f' + {extra / 1e6:.2f}M objective-only' if extra else ''}), "
@@ -235,11 +244,15 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
                           tokenizer=tok, dist=dist, bucket=cfg.data.bucket, run_config=cfg,
                           show_progress=show_progress)
         result = trainer.fit(resume=resume, log=log)
+        model, objective = trainer.consolidated(objective=True)  # FSDP: the gathered weights, plain modules
         model_dir = run_dir / "model"
         if dist.is_main:
             save(objective.finetunable(model), model_dir, tokenizer=tok)
             cfg.save(model_dir / "run.yaml")
             mark(model_dir, ["run.yaml"])
+            for name, other in objective.companions().items():  # ELECTRA: the generator beside the discriminator
+                save(other, run_dir / name, tokenizer=tok)
+                mark(run_dir, [name])
             if cfg.train.plot and (run_dir / "metrics.jsonl").is_file():
                 from .train.logging import plot_losses
 

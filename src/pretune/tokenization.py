@@ -511,6 +511,7 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a ``tokenizer.json`` file, or a folder holding one (a pretune checkpoint or a Hugging Face folder).
+        A folder with only a SentencePiece model (ALBERT, T5, DeBERTa-v3) or that file converts once (pretune.spm).
 
         Roles are inferred from known token strings; ``tokenizer_config.json`` and ``special_tokens_map.json``
         beside the file (``bos_token``, ``pad_token``, ...: a string or ``{"content": ...}``) override them. A chat
@@ -527,10 +528,16 @@ class Tokenizer:
         if path.is_dir():
             file = path / "tokenizer.json"
             if not file.is_file():
-                slow = [n for n in ("vocab.txt", "spiece.model", "vocab.json") if (path / n).is_file()]
+                from .spm import find_model
+
+                if (model := find_model(path)) is not None:
+                    return cls._from_spm(model)
+                slow = [n for n in ("vocab.txt", "vocab.json") if (path / n).is_file()]
                 hint = (f" (it holds {', '.join(slow)}: convert once with transformers, "
                         f"AutoTokenizer.from_pretrained(folder).save_pretrained(folder))") if slow else ""
                 raise TokenizerError(f"folder {str(path)!r} holds no tokenizer.json{hint}")
+        elif path.is_file() and path.suffix == ".model":
+            return cls._from_spm(path)
         elif path.is_file():
             file = path
         else:
@@ -540,6 +547,17 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON or a non-tokenizer object
             raise TokenizerError(f"{file} is not a valid tokenizer.json ({e})") from e
         return cls(tk, roles=_hf_role_overrides(file.parent, tk))
+
+    @classmethod
+    def _from_spm(cls, model: Path) -> Tokenizer:
+        """A folder with only a SentencePiece model (ALBERT, T5, DeBERTa-v2/v3): converted once (``pretune.spm``)."""
+        from .spm import SentencePieceError, convert
+
+        try:
+            tk = convert(model)
+        except SentencePieceError as e:
+            raise TokenizerError(str(e)) from None
+        return cls(tk, roles=_hf_role_overrides(model.parent, tk))
 
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"

@@ -19,7 +19,7 @@ from pretune import KVCache, ModelConfig, build_model, count_parameters
 
 V = 100  # vocabulary
 ARCHS = ("encoder", "decoder", "encoder-decoder")
-POSITIONS = ("none", "sinusoidal", "learned", "relative", "alibi", "rope")
+POSITIONS = ("none", "sinusoidal", "learned", "relative", "alibi", "rope", "disentangled")
 FFNS = ("relu", "gelu", "swish", "glu", "bilinear", "reglu", "geglu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 PLACEMENTS = ("pre", "post")

@@ -246,7 +246,7 @@ def test_electra_one_loss_backpropagates_into_generator_and_discriminator(electr
 
     assert has_grad(objective.generator.transformer.encoder)  # the MLM term
     assert has_grad(model.transformer.encoder)  # the replaced-token-detection term
-    assert has_grad(objective.rtd_head)
+    assert has_grad(model.head)  # the discriminator's own RTD head (saved with it: ElectraForPreTraining)
     assert model.transformer.embed.weight.grad.abs().sum() > 0  # shared: both terms reach it
 
 

@@ -82,6 +82,15 @@ def _bert():
     return transformers.BertForSequenceClassification(cfg)
 
 
+def _deberta_v2():  # LoRA on query_proj / key_proj changes the relative-position projections too (share_att_key)
+    cfg = transformers.DebertaV2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, max_position_embeddings=64, relative_attention=True,
+                                       position_buckets=4, max_relative_positions=8, pos_att_type=["p2c", "c2p"],
+                                       share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+                                       type_vocab_size=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _with_biases(transformers.DebertaV2ForMaskedLM(cfg))
+
+
 # (HF model builder, peft target modules, peft extras, pretune target patterns for the reverse direction)
 CASES = {
     "gpt2": (_gpt2, ["c_attn", "c_proj"], {"fan_in_fan_out": True}, ["q_proj", "v_proj", "down_proj"]),
@@ -92,6 +101,7 @@ CASES = {
     "mistral": (_mistral, ["q_proj", "v_proj", "o_proj", "up_proj"], {}, ["q_proj", "k_proj", "down_proj"]),
     "gemma": (_gemma, ["q_proj", "k_proj", "gate_proj", "down_proj"], {}, ["v_proj", "o_proj", "up_proj"]),
     "gemma2": (_gemma2, ["q_proj", "k_proj", "v_proj", "down_proj"], {}, ["q_proj", "o_proj", "gate_proj"]),
+    "deberta-v2": (_deberta_v2, ["query_proj", "key_proj", "output.dense"], {}, ["q_proj", "k_proj", "up_proj"]),
 }
 
 

@@ -118,7 +118,7 @@ def test_tagging_trains(tmp_path, sentences, tokenizers_by_kind):
     files = write_splits(tmp_path, records, 600, 100, 200)
     # byte-level BPE, cased: words after the first get their "Ġ"; rotary positions make "the previous word"
     # easy to learn for a model this small
-    result, preds = run(tmp_path, "tagging", "tiny-modernbert", tokenizers_by_kind["bpe"], files, "tune.epochs=6")
+    result, preds = run(tmp_path, "tagging", "tiny-modernbert-base", tokenizers_by_kind["bpe"], files, "tune.epochs=6")
     assert result.test["entity_f1"] >= TAGGING_MIN_ENTITY_F1, result.test
     gold = records[700:900]
     assert all(len(p["prediction"]) == len(g["tokens"]) and p["tokens"] == g["tokens"] for p, g in zip(preds, gold))
@@ -165,7 +165,7 @@ def test_qa_trains_with_sliding_windows_and_no_answer(tmp_path, sentences, token
     records = qa_records(sentences, 950)
     files = write_splits(tmp_path, records, 700, 100, 150)
     # ModernBERT-style (rotary positions): "the word after 'code is'" is a relative-position pattern
-    result, preds = run(tmp_path, "qa", "tiny-modernbert", tokenizers_by_kind["wordpiece"], files,
+    result, preds = run(tmp_path, "qa", "tiny-modernbert-base", tokenizers_by_kind["wordpiece"], files,
                         "task.stride=16", "tune.epochs=3")
     assert result.test["exact_match"] >= QA_MIN_EXACT_MATCH, result.test
     assert result.test["f1"] >= QA_MIN_F1, result.test

@@ -36,6 +36,24 @@ PRETRAIN_FLAGS = (
     Flag("--steps", "train.steps", "optimizer steps", type=int),
 )
 
+DISTILL_FLAGS = (
+    Flag("--teacher", "objective.teacher", "the teacher: a pretune checkpoint or Hugging Face model folder"),
+    Flag("--preset", "model.preset", "the student's preset (model.KEY=VALUE overrides change it)"),
+    Flag("--init", "model.init", "start the student from this checkpoint instead"),
+    Flag("--init-from-teacher", "objective.init_from_teacher", "every_other: student layer i starts as teacher "
+         "layer 2i, with its embeddings and head (DistilBERT)", metavar="HOW"),
+    Flag("--temperature", "objective.temperature", "softmax temperature T of the KL term (default 2)", type=float),
+    Flag("--alpha-kl", "objective.alpha_kl", "weight of T^2 KL(teacher || student) (default 5)", type=float),
+    Flag("--alpha-hard", "objective.alpha_hard", "weight of the student's own MLM / CLM loss (default 2)",
+         type=float),
+    Flag("--alpha-cos", "objective.alpha_cos", "weight of the last hidden states' cosine loss (default 0)",
+         type=float),
+    Flag("--tokenizer", "tokenizer", "tokenizer.json or a folder holding one (default: the teacher's)"),
+    Flag("--data", "data.train", "training text (files, folders, globs)", nargs="+", metavar="SOURCE"),
+    Flag("--out", "train.out", "run folder"),
+    Flag("--steps", "train.steps", "optimizer steps", type=int),
+)
+
 FINETUNE_FLAGS = (
     Flag("--model", "model.init", "checkpoint, Hugging Face or adapter folder to start from"),
     Flag("--preset", "model.preset", "train a preset from scratch instead (needs --tokenizer)"),

@@ -205,13 +205,19 @@ def _compiled_step(device: torch.device) -> Callable:
 # logits processing (the order of transformers' processors: min length, temperature, top-k, top-p)
 # ---------------------------------------------------------------------------------------------
 class Scorer:
-    """Turns logits into the scores tokens are chosen from: EOS forbidden before ``min_new_tokens``;
-    when sampling, temperature, then top-k, then top-p (nucleus) filtering."""
+    """Turns logits into the scores tokens are chosen from: EOS forbidden before ``min_new_tokens``; a forced first
+    token (after a one-token start) and a forced last token (the one that reaches ``max_new_tokens``), as
+    transformers' ForcedBOS/ForcedEOS processors; when sampling, temperature, then top-k, then top-p (nucleus)
+    filtering."""
 
     def __init__(self, *, eos: list[int], min_new_tokens: int, do_sample: bool, temperature: float,
-                 top_k: int | None, top_p: float | None, min_keep: int = 1):
+                 top_k: int | None, top_p: float | None, min_keep: int = 1, forced_bos: int | None = None,
+                 forced_eos: list[int] | None = None, prompt_len: int = 1, max_new_tokens: int = 0):
         self.eos = torch.tensor(eos, dtype=torch.long)
         self.min_new_tokens = min_new_tokens if eos else 0
+        self.forced_bos = forced_bos if prompt_len == 1 else None  # only when the start is one token (BART's </s>)
+        self.forced_eos = forced_eos or None
+        self.last = max_new_tokens - 1  # the step whose token reaches max_new_tokens
         self.temperature = temperature if do_sample and temperature != 1.0 else None
         self.top_k = top_k if do_sample and top_k else None
         self.top_p = top_p if do_sample and top_p is not None and top_p < 1.0 else None
@@ -223,6 +229,10 @@ class Scorer:
             if self.eos.device != scores.device:
                 self.eos = self.eos.to(scores.device)
             scores = scores.index_fill(1, self.eos, float("-inf"))
+        if self.forced_bos is not None and n_new == 0:
+            scores = _only(scores, [self.forced_bos])
+        if self.forced_eos is not None and n_new == self.last:
+            scores = _only(scores, self.forced_eos)
         if self.temperature is not None:
             scores = scores / self.temperature
         if self.top_k is not None:
@@ -237,6 +247,13 @@ class Scorer:
             drop[:, -self.min_keep:] = False
             scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
         return scores
+
+
+def _only(scores: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """Scores (N, vocab) that allow only ``tokens``: 0 for them, -inf for every other token."""
+    out = torch.full_like(scores, float("-inf"))
+    out[:, tokens] = 0.0
+    return out
 
 
 class StopStrings:
@@ -393,6 +410,8 @@ def generate(
     use_cache: bool = True,
     streamer: Callable[[list[int]], None] | None = None,
     decoder_start_token_id: int | None = None,
+    forced_bos_token_id: int | None = None,
+    forced_eos_token_id: int | Sequence[int] | None = None,
     min_new_tokens: int = 0,
     static_cache: bool = False,
     compile: bool = False,
@@ -431,6 +450,10 @@ def generate(
         use_cache: reuse keys/values of past tokens (False: rerun the whole sequence every step; same tokens).
         streamer: called after every step with the new token ids (a list of one id) of a single sequence.
         decoder_start_token_id: encoder-decoders: the first decoder token (default: the model config's).
+        forced_bos_token_id: the first new token, when the sequence so far is one token (an encoder-decoder's
+            start; bart-large, mBART) (default: the model config's; None there: not forced).
+        forced_eos_token_id: token(s) the last possible new token (the one that reaches ``max_new_tokens``) must be
+            (default: the model config's, BART: </s>; None there: not forced).
         static_cache: keep keys/values in a cache of fixed shape (``StaticKVCache``: capacity prompt +
             max_new_tokens rounded up to a power of two >= 64; every step attends over all of it with a mask)
             instead of the growing one: the same tokens up to floating-point rounding. What ``compile`` decodes
@@ -478,6 +501,14 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
     _token_ids(pad, "pad_token_id")
     start = decoder_start_token_id if decoder_start_token_id is not None else cfg.decoder_start_token_id
+    if forced_bos_token_id is None:
+        forced_bos_token_id = cfg.forced_bos_token_id
+    forced_bos = _token_ids(forced_bos_token_id, "forced_bos_token_id") if forced_bos_token_id is not None else []
+    if len(forced_bos) > 1:
+        raise GenerationError(f"forced_bos_token_id={forced_bos_token_id!r}: expected one token id")
+    if forced_eos_token_id is None:
+        forced_eos_token_id = cfg.forced_eos_token_id
+    forced_eos = _token_ids(forced_eos_token_id, "forced_eos_token_id") if forced_eos_token_id is not None else []
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = attention_mask.to(device) if attention_mask is not None else None
@@ -492,7 +523,9 @@ def generate(
             if max_new_tokens == 0:
                 return runner.output().clone()
             scorer = Scorer(eos=eos, min_new_tokens=min_new_tokens, do_sample=do_sample, temperature=temperature,
-                            top_k=top_k, top_p=top_p, min_keep=len(eos) + 1 if num_beams > 1 else 1)
+                            top_k=top_k, top_p=top_p, min_keep=len(eos) + 1 if num_beams > 1 else 1,
+                            forced_bos=forced_bos[0] if forced_bos else None, forced_eos=forced_eos,
+                            prompt_len=runner.prompt_len, max_new_tokens=max_new_tokens)
             logits = runner.logits()  # the prompt, run once per prompt
             copies = num_beams if num_beams > 1 else num_return_sequences
             if copies > 1:  # beams / samples of one prompt: adjacent copies of its row (and of its cache)

@@ -141,8 +141,9 @@ def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence
     if strategy != "cache":
         raise PromptError(f"strategy={strategy!r} is not one of cache, rows")
     dev = _device(model)
-    if model.transformer.decoder.position.has_bias:
-        batch_size = 1  # relative/ALiBi biases use raw key positions, which mid-sequence padding would shift
+    position = model.transformer.decoder.position
+    if position.has_bias or position.has_scores:
+        batch_size = 1  # relative/ALiBi/disentangled terms use raw key columns, which mid-sequence padding would shift
     P = len(prefix)
     prefix_cache = None
     if P:

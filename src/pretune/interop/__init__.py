@@ -23,7 +23,7 @@ from ..checkpoint import CheckpointError, atomic_folder, load_state, read_weight
 from ..config import TASK_HEADS, ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "vocab.json", "merges.txt", "spiece.model")
+                   "vocab.json", "merges.txt", "spiece.model", "spm.model", "added_tokens.json")
 
 
 class InteropError(ValueError):
@@ -76,7 +76,9 @@ def rename(tensors: dict[str, torch.Tensor], table: Table, *, reverse: bool = Fa
 # model-core options that only some families have, at their "off" values: a family's export_mismatch asks for these
 # unless it has the option (a GPT-2 config with a sliding window is not GPT-2)
 PLAIN_OPTIONS = {"qkv_bias": False, "qk_norm": False, "scale_embeddings": False, "sliding_window": None,
-                 "sliding_layers": None, "attn_softcap": None, "logit_softcap": None}
+                 "sliding_layers": None, "attn_softcap": None, "logit_softcap": None, "rope_local_base": None,
+                 "first_attn_norm": True, "head_transform": False, "head_dense_bias": True,
+                 "cls_act": "tanh", "pair_head": False, "logit_bias": False, "task_stack": "encoder"}
 
 
 def mismatch(cfg: ModelConfig, **expected) -> str | None:
@@ -169,7 +171,8 @@ def task_mismatch(cfg: ModelConfig, archs: dict[str, str | None], pooling: str |
         if cfg.sentence_pooling != pooling:
             how = {"pooler": "the BERT pooler output (pooler=True, pooling='pooler')",
                    "cls": "dense + tanh on the first token (pooling='cls')",
-                   "last": "the last real token (pooling='last')"}[pooling]
+                   "last": "the last real token (pooling='last')",
+                   "eos": "dense + tanh on the decoder's state at each row's last EOS (pooling='eos')"}[pooling]
             return (f"{arch} classifies {how}, got pooling={cfg.sentence_pooling!r} (a model finetuned with "
                     f"task.pooling={pooling} exports)")
         if cfg.head == "classification" and cfg.num_labels < 2 and not cfg.multi_label:
@@ -194,10 +197,28 @@ def task_config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 # families
 # ---------------------------------------------------------------------------------------------
 def _families() -> dict[str, ModuleType]:
-    from . import bert, gemma, gemma2, gpt2, llama, mistral, qwen2, qwen3, t5
+    from . import (
+        albert,
+        bart,
+        bert,
+        deberta_v2,
+        distilbert,
+        electra,
+        gemma,
+        gemma2,
+        gpt2,
+        llama,
+        mistral,
+        modernbert,
+        openai_gpt,
+        qwen2,
+        qwen3,
+        t5,
+    )
 
     out = {}
-    for mod in (bert, gpt2, t5, llama, qwen2, qwen3, mistral, gemma, gemma2):
+    for mod in (bert, electra, distilbert, gpt2, openai_gpt, t5, bart, llama, qwen2, qwen3, mistral, gemma, gemma2,
+                modernbert, deberta_v2, albert):
         for model_type in mod.MODEL_TYPES:
             out[model_type] = mod
     return out
@@ -257,12 +278,15 @@ def sentence_pooling(path: str | os.PathLike) -> str | None:
 
 
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
-    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama (with Llama 3.x
-    RoPE scaling), Qwen2/Qwen2.5, Qwen3, Mistral, Gemma, Gemma 2), with its task head when ``architectures`` names one
-    (*ForSequenceClassification, *ForTokenClassification, *ForQuestionAnswering of BERT, RoBERTa, GPT-2, Llama, Qwen
-    and Mistral; Gemma's have no QA class; labels come from ``id2label``). A base model that is
-    a sentence-transformers model trained with mean pooling (``modules.json``) gets ``pooling="mean"``, so a
-    classification head added to it reads the sentence vector it was trained to make (not the BERT pooler).
+    """Import a Hugging Face ``transformers`` folder (BERT, RoBERTa, DistilBERT, GPT-2, T5 v1.0/v1.1, Llama (with Llama
+    3.x RoPE scaling), Qwen2/Qwen2.5, Qwen3, Mistral, Gemma, Gemma 2, ELECTRA (discriminator and generator),
+    DeBERTa-v2/v3, ALBERT (with its sentence-order head), BART), with its task head when ``architectures`` names one
+    (*ForSequenceClassification, *ForTokenClassification, *ForQuestionAnswering of BERT, RoBERTa, DistilBERT, ELECTRA,
+    DeBERTa-v2, ALBERT, GPT-2, Llama, Qwen and Mistral; Gemma's have no QA class, BART no token class; labels come from
+    ``id2label``). A
+    base model that is a sentence-transformers model trained with mean pooling (``modules.json``) gets
+    ``pooling="mean"``, so a classification head added to it reads the sentence vector it was trained to make (not
+    the BERT pooler).
 
     Args:
         path: folder with config.json and model.safetensors (or a sharded index, or pytorch_model.bin).
@@ -295,12 +319,15 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     return model.eval()
 
 
-def to_hf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+def to_hf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
+          dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> Path:
     """Export a TransformerLM to a folder ``transformers.AutoModel*.from_pretrained`` loads.
 
     The family is chosen from the config (which must match one HF supports exactly); a task head
     becomes the family's *ForSequenceClassification / *ForTokenClassification / *ForQuestionAnswering
-    with its label map; tokenizer files are copied from ``tokenizer_dir`` when given.
+    with its label map; tokenizer files are copied from ``tokenizer_dir`` when given. ``dtype``: the weights'
+    dtype in the files (e.g. bf16 for a large model; recorded as the config's ``torch_dtype``); weights larger than
+    ``max_shard_bytes`` are split into ``model-0000K-of-0000N.safetensors`` files with transformers' index file.
     """
     cfg: ModelConfig = model.config
     fam = _family_for_config(cfg)
@@ -310,15 +337,44 @@ def to_hf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | 
     ours = unique_state(model)
     hf_tensors = fam.weights_to_hf(ours, cfg)
     path = Path(path)
+    if dtype is not None:
+        hf_tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_tensors.items()}
+        hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with atomic_folder(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        save_file({k: v.contiguous().cpu() for k, v in hf_tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        write_safetensors(tmp, hf_tensors, max_shard_bytes)
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
     return path
+
+
+def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
+    """``model.safetensors``, or, when the tensors are larger than ``max_shard_bytes``, consecutive shards
+    ``model-00001-of-0000N.safetensors`` (each at most that size unless one tensor is larger) and
+    ``model.safetensors.index.json`` (``metadata.total_size`` and the ``weight_map``) as transformers writes them."""
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    shards: list[list[str]] = [[]]
+    used = 0
+    for k in tensors:
+        if shards[-1] and used + sizes[k] > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(k)
+        used += sizes[k]
+    if len(shards) == 1:
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, keys in zip(names, shards):
+        save_file({k: tensors[k].contiguous().cpu() for k in keys}, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys})
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
 
 
 def _family_for_config(cfg: ModelConfig) -> ModuleType:

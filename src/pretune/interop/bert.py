@@ -157,7 +157,7 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
         return f"needs a non-gated FFN (gelu, gelu_tanh, relu, swish), got ffn={cfg.ffn!r}"
     if cfg.kv_heads != cfg.n_heads or cfg.dh * cfg.n_heads != cfg.dim:
         return "needs plain multi-head attention (no GQA, head_dim = dim / n_heads)"
-    if cfg.head == "lm" or cfg.token_types < 1:
+    if cfg.head in ("lm", "rtd") or cfg.token_types < 1:
         return "needs head 'mlm', 'none' or a task head, and token_types >= 1"
     if cfg.position_offset and cfg.position_offset != cfg.pad_token_id + 1:
         return f"RoBERTa needs position_offset == pad_token_id + 1, got {cfg.position_offset}"

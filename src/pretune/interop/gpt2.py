@@ -93,8 +93,9 @@ def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     )
 
 
-def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    tensors = strip_prefix(tensors, "transformer.")
+def from_conv1d(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Conv1D (in, out) weights as nn.Linear (out, in) ones, the fused ``attn.c_attn`` split into ``attn.q/k/v``
+    (GPT-2 and GPT-1 share these names)."""
     split: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith("attn.c_attn.weight"):  # (dim, 3*dim) -> three (dim, dim) nn.Linear weights
@@ -107,11 +108,11 @@ def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
             split[name] = t.t()
         else:
             split[name] = t
-    return rename(split, _TABLE + _TASK_HEADS.get(cfg.head, []), ignore=_IGNORE)
+    return split
 
 
-def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    hf = rename(ours, _TABLE + _TASK_HEADS.get(cfg.head, []), reverse=True, ignore=[r"^head\.weight$"])
+def to_conv1d(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``from_conv1d``: ``attn.q/k/v`` fused into ``attn.c_attn``, Linear weights as Conv1D ones."""
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
         if ".attn.q." in name:
@@ -124,6 +125,16 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
             out[name] = t.t().contiguous()
         else:
             out[name] = t
+    return out
+
+
+def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    split = from_conv1d(strip_prefix(tensors, "transformer."))
+    return rename(split, _TABLE + _TASK_HEADS.get(cfg.head, []), ignore=_IGNORE)
+
+
+def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = to_conv1d(rename(ours, _TABLE + _TASK_HEADS.get(cfg.head, []), reverse=True, ignore=[r"^head\.weight$"]))
     heads = ("score.", "classifier.", "qa_outputs.")
     return {(k if k.startswith(heads) else f"transformer.{k}"): v for k, v in out.items()}
 

@@ -24,10 +24,11 @@ class ModelOutput:
     """What a model call returns. Shapes: B batch, T (decoder) length, S encoder length."""
 
     last_hidden_state: torch.Tensor  # (B, T, dim): decoder output for enc-dec, else the stack's output
-    logits: torch.Tensor | None = None  # (B, T, vocab) LM/MLM head; (B, labels) classification/regression;
+    logits: torch.Tensor | None = None  # (B, T, vocab) LM/MLM head; (B, T) rtd; (B, labels) classification/regression;
     # (B, T, labels) tagging; (B, T, 2) qa (start, end)
     encoder_last_hidden_state: torch.Tensor | None = None  # (B, S, dim) encoder-decoder only
     pooler_output: torch.Tensor | None = None  # (B, dim) when the config has a BERT pooler
+    pair_logits: torch.Tensor | None = None  # (B, 2) NSP/SOP logits on the pooler output (pair_head)
     past_key_values: KVCache | None = None  # the updated cache when use_cache=True
     loss: torch.Tensor | None = None  # () mean loss over the labelled targets when ``labels`` were given
 
@@ -41,6 +42,8 @@ class TransformerLM(nn.Module):
         self.transformer = Transformer(config)
         self.head = HEADS[config.head](config, self.transformer.embed) if config.head != "none" else None
         self.pooler = Pooler(config) if config.pooler else None
+        # BERT NSP / ALBERT SOP: 2-way classifier on the pooled [CLS] (AlbertSOPHead.classifier)
+        self.pair_head = nn.Linear(config.dim, 2) if config.pair_head else None
         self.task_head = config.head in TASK_HEADS
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) (Radford et al. 2019 §2.3)
@@ -81,7 +84,8 @@ class TransformerLM(nn.Module):
             input_ids: (B, T) token ids (the encoder input for encoder-decoders).
             attention_mask: (B, T) 1 for real tokens, 0 for padding. With a cache, (B, T_past + T).
             token_type_ids: (B, T) segment ids (BERT sentence A = 0, B = 1).
-            decoder_input_ids, decoder_attention_mask: (B, T_dec) for encoder-decoders.
+            decoder_input_ids, decoder_attention_mask: (B, T_dec) for encoder-decoders (task heads that read the
+                decoder, ``task_stack='decoder'``: by default the input shifted right, with no decoder mask, as BART).
             position_ids: (B, T) or (T,) explicit positions (e.g. left-padded generation).
             prefix_lengths: (B,) decoder-only prefix LM: the first n tokens attend bidirectionally.
             encoder_hidden_states: (B, S, dim) reuse an encoder output instead of recomputing it.
@@ -95,7 +99,8 @@ class TransformerLM(nn.Module):
                 head runs on the labelled rows only); an encoder-decoder's target ids (``decoder_input_ids``, if
                 not given, are the labels shifted right after the decoder start token); a class id per row
                 (classification; regression: a value, mean squared error; multi-label: 0/1 per label, binary
-                cross-entropy); a tag id per token (tagging). A language-model head is fused with the
+                cross-entropy); a tag id per token (tagging); 1 (replaced) or 0 per token (rtd: binary
+                cross-entropy over the real tokens, as ElectraForPreTraining). A language-model head is fused with the
                 cross-entropy, so the (N, vocab) logits are never built.
             return_logits: also return the logits; default (None): only when no ``labels`` are given.
         """
@@ -109,14 +114,16 @@ class TransformerLM(nn.Module):
         encoder_out = None
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep ({logits_to_keep}) must be >= 0 (0: every position)")
-        if cfg.arch == "encoder" or (self.task_head and cfg.arch == "encoder-decoder"):
+        if cfg.arch == "encoder" or (self.task_head and cfg.arch == "encoder-decoder" and cfg.task_stack == "encoder"):
             # task heads on an encoder-decoder read the encoder (classification of the input text)
             h = body.encode(input_ids, attention_mask, token_type_ids, position_ids)
         elif cfg.arch == "decoder":
             h = body.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
                             prefix_lengths=prefix_lengths, cache=cache)
         else:
-            if decoder_input_ids is None and labels is not None:
+            if decoder_input_ids is None and self.task_head:  # task_stack='decoder' (BART): the input shifted right
+                decoder_input_ids = self._shift_right(input_ids)
+            elif decoder_input_ids is None and labels is not None:
                 decoder_input_ids = self._shift_right(labels)
             if decoder_input_ids is None:
                 raise ValueError("an encoder-decoder model needs decoder_input_ids (B, T_dec)")
@@ -126,12 +133,17 @@ class TransformerLM(nn.Module):
             h = body.decode(decoder_input_ids, decoder_attention_mask, memory=encoder_out,
                             memory_mask=attention_mask, position_ids=position_ids, cache=cache)
         pooled = self.pooler(h) if self.pooler is not None else None
+        pair_logits = self.pair_head(pooled) if self.pair_head is not None else None  # (B, 2)
         want_logits = labels is None if return_logits is None else return_logits
         loss = logits = None
         if self.task_head:
-            logits = self.head(h, attention_mask, pooled)
+            logits = self.head(h, attention_mask, pooled, input_ids=input_ids)
             if labels is not None:
                 loss = self._task_loss(logits, labels)
+        elif cfg.head == "rtd":  # ELECTRA's discriminator: labels 1 = replaced, per token
+            logits = self.head(h)
+            if labels is not None:
+                loss = self.head.loss(logits, labels, attention_mask)
         elif self.head is not None:
             if labels is not None:
                 loss = self._lm_loss(h, labels, shift=cfg.arch == "decoder" and cfg.head == "lm")
@@ -144,6 +156,7 @@ class TransformerLM(nn.Module):
             logits=logits if want_logits else None,
             encoder_last_hidden_state=encoder_out,
             pooler_output=pooled,
+            pair_logits=pair_logits,
             past_key_values=cache,
             loss=loss,
         )
@@ -168,7 +181,7 @@ class TransformerLM(nn.Module):
             x = h * head.scale if head.scale is not None else h
             if head.proj is not None:
                 x = head.proj(x)
-            return fused_linear_cross_entropy(x, head.weight, labels)
+            return fused_linear_cross_entropy(x, head.weight, labels, bias=head.bias)
         if labels.numel() == 0:
             return h.sum() * 0.0  # nothing labelled: 0 with zero gradients (cross_entropy would give NaN)
         return nn.functional.cross_entropy(head(h).float(), labels)
@@ -189,6 +202,14 @@ class TransformerLM(nn.Module):
     def num_parameters(self) -> int:
         return count_parameters(self)["total"]
 
+    def checkpoint_blocks(self, enabled: bool = True) -> TransformerLM:
+        """Activation checkpointing of every transformer block (encoder and decoder) in training: each block's
+        intermediates are recomputed in the backward instead of kept. Gradients are unchanged."""
+        for stack in (self.transformer.encoder, self.transformer.decoder):
+            if stack is not None:
+                stack.checkpoint_blocks = enabled
+        return self
+
     def with_head(self, **fields) -> TransformerLM:
         """This body with the head that ``fields`` describe (``head`` and, for task heads, ``num_labels``,
         ``labels``, ``pooling``, ...): ``self`` when it already has that head (continued finetuning, or
@@ -202,7 +223,9 @@ class TransformerLM(nn.Module):
         if same and (fields.get("pooling") is None or cfg.sentence_pooling == fields.get("pooling")):
             return self
         # the body's recorded sentence pooling (e.g. a sentence-transformers model's "mean") stays unless given
-        new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None, **fields}))
+        # a pretraining pair head (NSP/SOP) goes with the MLM head it sits beside, as transformers drops it
+        new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None,
+                                           "pair_head": cfg.pair_head and head == "mlm", **fields}))
         new.transformer.load_state_dict(self.transformer.state_dict())
         if self.pooler is not None and new.pooler is not None:
             new.pooler.load_state_dict(self.pooler.state_dict())

@@ -13,6 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from .cache import LayerCache
 from .layers import FusedLinears, _keep_mask, make_norm
+from .position import POSITIONS
 
 
 class Attention(nn.Module):
@@ -25,7 +26,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.dh = cfg.n_heads, cfg.kv_heads, cfg.dh
         self.cross = cross
-        self.scale = cfg.attn_scale  # None: SDPA's default 1/sqrt(Dh)
+        # None: SDPA's default 1/sqrt(Dh); with position terms added to q.k (DeBERTa), 1/sqrt(Dh * (1 + terms))
+        terms = POSITIONS[cfg.position].score_terms
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None or not terms else (self.dh * (1 + terms)) ** -0.5
         self.dropout = cfg.attn_dropout
         self.softcap = cfg.attn_softcap  # None: off (SDPA); c: scores -> c * tanh(scores / c) (eager path)
         qkv_bias = cfg.bias or cfg.qkv_bias
@@ -65,9 +68,11 @@ class Attention(nn.Module):
         rotate=None,
         positions: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        pos_scores=None,
     ) -> torch.Tensor:
         """x: (B, T, dim); memory: (B, S, dim) for cross-attention; mask: additive
-        (B|1, H|1, T, T_keys); rotate(q, k, positions) applies RoPE. Returns (B, T, dim)."""
+        (B|1, H|1, T, T_keys); rotate(q, k, positions) applies RoPE; pos_scores(q, k, q_proj, k_proj) -> (B, H, T,
+        T_keys) is a position term added to q.k^T before the scale (DeBERTa). Returns (B, T, dim)."""
         B, T, _ = x.shape
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads)  # (B, H, T, Dh)
@@ -88,6 +93,11 @@ class Attention(nn.Module):
                 q, k = rotate(q, k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, Hkv, T_past + T, Dh), written into the cache in place
+            if pos_scores is not None:  # DeBERTa's c2p + p2c, on the scores' scale, joins the additive mask
+                extra = pos_scores(q, k, self.q_proj, self.k_proj) * (self.scale or self.dh ** -0.5)  # (B, H, T, S)
+                if is_causal:
+                    extra = extra + _causal_bias(T, k.shape[2], extra.dtype, extra.device)
+                mask, is_causal = (extra if mask is None else extra + mask.to(extra.dtype)), False
         if self.extra_kv is not None:
             k, v, mask, is_causal = self.extra_kv(k, v, mask, is_causal, q.shape[2])
         if mask is not None and mask.dtype != q.dtype:

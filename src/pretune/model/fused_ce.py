@@ -36,11 +36,12 @@ def _cast_frozen(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):  # h (N, d), weight (V, d), targets (N,)
+    def forward(ctx, h, weight, targets, chunk, bias):  # h (N, d), weight (V, d), targets (N,), bias (V,) or None
         dev = h.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), _cast_frozen(weight, dtype)
+            bf = bias.float() if bias is not None else None  # a fixed logit bias (BART): no gradient
             valid = targets != IGNORE_INDEX
             n = valid.sum().clamp(min=1)
             need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen head (PEFT) skips grad_w
@@ -50,6 +51,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             for s in range(0, hc.shape[0], chunk):
                 hs, ts, vs = hc[s:s + chunk], targets[s:s + chunk], valid[s:s + chunk]
                 z = (hs @ wc.t()).float()  # (c, V) logits
+                if bf is not None:
+                    z.add_(bf)
                 safe_t = ts.clamp(min=0)
                 picked = z.gather(1, safe_t[:, None]).squeeze(1)  # (c,) logit of the target
                 top = z.amax(dim=-1, keepdim=True)  # (c, 1)
@@ -79,16 +82,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
-                None if grad_w is None else (grad_w * grad_out).to(w_dtype), None, None)
+                None if grad_w is None else (grad_w * grad_out).to(w_dtype), None, None, None)
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               *, chunk: int = 1024) -> torch.Tensor:
-    """Mean cross-entropy of logits h @ weight.T against targets (-100 ignored).
+                               *, chunk: int = 1024, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits h @ weight.T (+ bias) against targets (-100 ignored).
 
     Args:
         h: (N, d) hidden states; weight: (V, d) output embedding; targets: (N,) token ids.
+        bias: (V,) a fixed logit bias (BART's final_logits_bias); it gets no gradient.
         chunk: rows per chunk; memory holds one (chunk, V) block of logits at a time.
     With no valid target the loss is 0 with zero gradients (F.cross_entropy would give NaN).
     """
-    return _FusedLinearCrossEntropy.apply(h, weight, targets, chunk)
+    return _FusedLinearCrossEntropy.apply(h, weight, targets, chunk, bias)

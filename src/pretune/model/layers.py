@@ -162,6 +162,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,  # exact erf GELU (BERT)
     "gelu_tanh": _gelu_tanh,  # tanh approximation (GPT-2 "gelu_new", T5 v1.1 gated-gelu)
     "swish": F.silu,  # Swish_1 = x * sigmoid(x) (Llama's SwiGLU)
+    "tanh": torch.tanh,  # RoBERTa's classification head (cls_act)
     "sigmoid": torch.sigmoid,  # GLU gate (Dauphin et al. 2017)
     "identity": lambda x: x,  # Bilinear: no nonlinearity on the gate (Shazeer 2020)
 }

@@ -1,10 +1,12 @@
 """Positional information behind one small interface.
 
-Each stack (encoder, decoder) owns one position module. A module may do any of three things:
+Each stack (encoder, decoder) owns one position module. A module may do any of these things:
   - ``add(x, positions)``: add an absolute position embedding to the input (sinusoidal, learned);
   - ``rotate(q, k, positions)``: rotate queries and keys (RoPE);
-  - ``bias(q_pos, k_pos)``: a (1, H, Tq, Tk) term added to QK^T before softmax (T5 relative, ALiBi).
-The defaults do nothing, so a stack calls all three and never asks which kind it has.
+  - ``bias(q_pos, k_pos)``: a (1, H, Tq, Tk) term added to QK^T before softmax (T5 relative, ALiBi);
+  - ``scores(q_pos, k_pos)``: a function of each layer's queries, keys and projections giving a (B, H, Tq, Tk)
+    term added to QK^T, on its scale (DeBERTa's disentangled attention); ``score_terms`` such terms set the scale.
+The defaults do nothing, so a stack calls all of them and never asks which kind it has.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .layers import Dropout, make_norm
 
 
 class NoPosition(nn.Module):
@@ -22,6 +25,8 @@ class NoPosition(nn.Module):
 
     has_bias = False
     has_rotation = False
+    has_scores = False
+    score_terms = 0  # dot products added to q.k (DeBERTa: 2); the attention scale is 1/sqrt(Dh * (1 + score_terms))
 
     def __init__(self, cfg: ModelConfig, *, causal: bool):
         super().__init__()
@@ -37,6 +42,11 @@ class NoPosition(nn.Module):
         nothing here: a static cache's forward asks ``rotation`` for tables of its whole capacity."""
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def scores(self, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """None, or ``fn(q, k, q_proj, k_proj) -> (B, H, Tq, Tk)``: a term added to each layer's q.k^T before the
+        scale (q: (B, H, Tq, Dh), k: (B, H, Tk, Dh), the layer's query and key projections)."""
         return None
 
 
@@ -209,6 +219,62 @@ class RelativeBias(NoPosition):
         return values.permute(2, 0, 1)[None]  # (1, H, Tq, Tk)
 
 
+def log_buckets(relative: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
+    """DeBERTa's log-bucketed relative positions (transformers' ``make_log_bucket_position``, the same float32 ops):
+    distances below buckets / 2 are kept, longer ones become sign(r) * (mid + ceil(log(|r| / mid) /
+    log((max_distance - 1) / mid) * (mid - 1))) with mid = buckets // 2, so max_distance - 1 lands on buckets - 1.
+    relative: any shape of integer distances -> the same shape, long."""
+    sign = torch.sign(relative)
+    mid = buckets // 2
+    near = (relative < mid) & (relative > -mid)
+    dist = torch.where(near, torch.tensor(mid - 1).type_as(relative), relative.abs())
+    log_base = torch.log(torch.tensor((max_distance - 1) / mid, device=relative.device))  # float32, as transformers
+    log_pos = torch.ceil(torch.log(dist / mid) / log_base * (mid - 1)) + mid
+    return torch.where(dist <= mid, relative.type_as(log_pos), log_pos * sign).long()
+
+
+class DisentangledPositions(NoPosition):
+    """Differs from none: DeBERTa's disentangled attention (He et al. 2021 §3.1, the v2/v3 form). Relative
+    distances delta(i, j) = bucket(i - j) index 2 * span learned vectors P (LayerNorm'd, shared by the layers); each
+    layer projects them with its own query and key projections (share_att_key) and adds to q_i.k_j the
+    content-to-position term q_i.Pk[delta] and the position-to-content term k_j.Pq[delta], all three on the scale
+    1/sqrt(3 Dh). span = position_buckets (0: max_relative_positions, distances clipped there)."""
+
+    has_scores = True
+    score_terms = 2  # c2p and p2c
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__(cfg, causal=causal)
+        self.buckets, self.max_distance = cfg.position_buckets, cfg.max_relative_positions
+        self.span = cfg.position_buckets or cfg.max_relative_positions
+        self.rel_embed = nn.Embedding(2 * self.span, cfg.dim)  # (2 span, dim): distances -span..span-1
+        nn.init.normal_(self.rel_embed.weight, std=0.02)
+        self.rel_norm = make_norm(cfg)
+        self.drop = Dropout(cfg.dropout)  # transformers' pos_dropout, drawn again in each layer
+
+    def bucket(self, relative: torch.Tensor) -> torch.Tensor:
+        """relative = query_pos - key_pos (any shape) -> the index of its vector in rel_embed, in [0, 2 span)."""
+        delta = log_buckets(relative, self.buckets, self.max_distance) if self.buckets else relative
+        return (delta + self.span).clamp(0, 2 * self.span - 1)
+
+    def scores(self, q_pos, k_pos):
+        rel = self.rel_norm(self.rel_embed.weight)  # (2 span, dim), once per forward for every layer
+        index = self.bucket(q_pos[:, None] - k_pos[None, :])  # (Tq, Tk)
+
+        def score(q, k, q_proj, k_proj):
+            B, H, Tq, Dh = q.shape
+            Tk = k.shape[2]
+            r = self.drop(rel).to(q.dtype)
+            pos_q = q_proj(r).view(-1, H, Dh).transpose(0, 1)  # (2 span, H*Dh) -> (H, 2 span, Dh)
+            pos_k = k_proj(r).view(-1, H, Dh).transpose(0, 1)
+            c2p = (q @ pos_k.transpose(-1, -2)).gather(-1, index.expand(B, H, Tq, Tk))  # q_i . Pk[delta(i, j)]
+            # k_j . Pq[delta(i, j)]: (B, H, Tk, 2 span) gathered at (j, delta(i, j)), then (B, H, Tq, Tk)
+            p2c = (k @ pos_q.transpose(-1, -2)).gather(-1, index.T.expand(B, H, Tk, Tq)).transpose(-1, -2)
+            return c2p + p2c
+
+        return score
+
+
 def alibi_slopes(n_heads: int) -> torch.Tensor:
     """m_i = 2^(-8i/h), i = 1..h (Press et al. 2022); for h not a power of two, the slopes of the
     nearest lower power of two followed by every other slope of the next power (the paper's recipe)."""
@@ -243,4 +309,5 @@ POSITIONS = {
     "rope": RotaryPositions,
     "relative": RelativeBias,
     "alibi": ALiBi,
+    "disentangled": DisentangledPositions,
 }

@@ -6,12 +6,14 @@ Read this file first. Every family is this code with a different ModelConfig:
   T5     = encoder + decoder stacks (decoder with cross-attention), RMSNorm, relative bias
   Llama  = decoder stack, RMSNorm, RoPE, SwiGLU, grouped-query attention
   Gemma 2 = Llama-like, with sandwich norms, scaled embeddings, soft-capped attention, every other layer local
+  DeBERTa = BERT-like without absolute positions, disentangled attention (relative position terms per layer)
 The Transformer returns hidden states; heads (heads.py) turn them into logits.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..config import ModelConfig
@@ -26,12 +28,14 @@ class Block(nn.Module):
     before the branch (pre-norm: x + f(norm(x))) or after the sum (post-norm: norm(x + f(x))); sandwich: before
     the branch and on its output too (x + norm'(f(norm(x))), Gemma 2)."""
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool = False, shared: "Block | None" = None):
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, shared: "Block | None" = None,
+                 attn_norm: bool = True):
         super().__init__()
         self.pre_norm = cfg.norm_placement in ("pre", "sandwich")
         sandwich = cfg.norm_placement == "sandwich"
         if shared is None:  # T5 "enc-dec, shared": the decoder reuses the encoder block's weights
-            self.attn, self.attn_norm = Attention(cfg), make_norm(cfg)
+            # attn_norm=False (ModernBERT's layer 0): the attention reads x as it is (pre-norm only)
+            self.attn, self.attn_norm = Attention(cfg), make_norm(cfg) if attn_norm else nn.Identity()
             self.ffn, self.ffn_norm = FeedForward(cfg), make_norm(cfg)
             self.attn_post_norm = make_norm(cfg) if sandwich else None
             self.ffn_post_norm = make_norm(cfg) if sandwich else None
@@ -53,9 +57,11 @@ class Block(nn.Module):
             return x + drop(fn(norm(x)))
         return norm(x + drop(fn(x)))
 
-    def forward(self, x, *, mask, is_causal, rotate, positions, memory=None, memory_mask=None, cache=None):
+    def forward(self, x, *, mask, is_causal, rotate, positions, memory=None, memory_mask=None, cache=None,
+                pos_scores=None):
         x = self._residual(x, self.attn_norm, lambda h: self.attn(
-            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache), self.attn_drop,
+            h, mask=mask, is_causal=is_causal, rotate=rotate, positions=positions, cache=cache,
+            pos_scores=pos_scores), self.attn_drop,
             self.attn_post_norm)
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
@@ -66,7 +72,8 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """Embedding extras (scale, token types, absolute positions, norm, ALBERT projection), a stack of
     blocks (or one block applied n times under cross-layer sharing) and a final norm. Layers in
-    ``cfg.sliding_layers`` (every layer when it is None) attend within ``cfg.sliding_window``."""
+    ``cfg.sliding_layers`` (every layer when it is None) attend within ``cfg.sliding_window`` (and rotate with
+    ``cfg.rope_local_base`` when it is set)."""
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, n_layers: int,
                  token_types: bool = True, shared: "Stack | None" = None):
@@ -79,6 +86,9 @@ class Stack(nn.Module):
         local = range(n_layers) if cfg.sliding_layers is None else cfg.sliding_layers
         self.local = frozenset(i for i in local if i < n_layers) if self.window is not None else frozenset()
         self.position = POSITIONS[cfg.position](cfg, causal=causal)
+        # the sliding-window layers' own RoPE base (ModernBERT: 10000 locally, 160000 globally); None: self.position
+        self.local_position = (POSITIONS[cfg.position](cfg.replace(rope_base=cfg.rope_local_base), causal=causal)
+                               if cfg.rope_local_base is not None else None)
         self.token_type = nn.Embedding(cfg.token_types, e) if cfg.token_types and token_types else None
         self.embed_norm = make_norm(cfg, e) if cfg.embed_norm else None
         self.embed_proj = nn.Linear(e, cfg.dim) if e != cfg.dim else None  # ALBERT: E -> dim
@@ -87,12 +97,17 @@ class Stack(nn.Module):
         if shared is not None:
             self.layers = nn.ModuleList(Block(cfg, cross=cross, shared=b) for b in shared.layers)
         else:
-            self.layers = nn.ModuleList(Block(cfg, cross=cross) for _ in range(n_distinct))
+            self.layers = nn.ModuleList(Block(cfg, cross=cross, attn_norm=cfg.first_attn_norm or i > 0)
+                                        for i in range(n_distinct))
         self.norm = make_norm(cfg) if cfg.final_norm else None
         # extra input embeddings: a callable (x, attention_mask, token_type_ids, position_ids, past) -> (x,
         # attention_mask, token_type_ids, position_ids, n_extra) that puts n_extra vectors before the input (and
         # extends the mask, types and positions); their positions are removed from the output. None: no extras.
         self.extra_inputs = None
+        # activation checkpointing (a training setting, not architecture): in training with gradients on, each
+        # block's activations are dropped after its forward and recomputed in the backward (non-reentrant, with the
+        # dropout RNG replayed), trading about one more forward for the memory of every block's intermediates
+        self.checkpoint_blocks = False
 
     def forward(
         self,
@@ -145,6 +160,9 @@ class Stack(nn.Module):
         pos_bias = None
         if self.position.has_bias:
             pos_bias = self.position.bias(new_cols, torch.arange(k_len, device=x.device))
+        pos_scores = None  # DeBERTa: a term of each layer's own q, k and projections (position.scores)
+        if self.position.has_scores:
+            pos_scores = self.position.scores(new_cols, torch.arange(k_len, device=x.device))
         if static:
             attention_mask = cache.key_mask
         elif attention_mask is not None and bool(attention_mask.all()):
@@ -159,15 +177,23 @@ class Stack(nn.Module):
                 torch.compiler.is_compiling() or not bool(memory_mask.all())):
             cross_mask, _ = build_mask(q_len=T, k_len=memory.shape[1], causal=False,
                                        key_padding=memory_mask, device=x.device)
-        rotate = None
+        rotations = (None, None)  # (global layers', sliding-window layers')
         if self.position.has_rotation:  # cos/sin tables looked up once for every layer
             rotate = self.position.rotation(position_ids, length=k_len if static else None)
+            rotations = (rotate, rotate if self.local_position is None else
+                         self.local_position.rotation(position_ids, length=k_len if static else None))
         for i in range(self.n_layers):
             block = self.layers[i % len(self.layers)]
             mask, is_causal = local if i in self.local else full
-            x = block(x, mask=mask, is_causal=is_causal, rotate=rotate, positions=position_ids,
-                      memory=memory, memory_mask=cross_mask,
-                      cache=cache.layer(i) if cache is not None else None)
+            rotate = rotations[i in self.local]
+            layer_cache = cache.layer(i) if cache is not None else None
+            if self.checkpoint_blocks and self.training and layer_cache is None and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, use_reentrant=False, mask=mask, is_causal=is_causal, rotate=rotate,
+                    positions=position_ids, memory=memory, memory_mask=cross_mask, cache=None, pos_scores=pos_scores)
+            else:
+                x = block(x, mask=mask, is_causal=is_causal, rotate=rotate, positions=position_ids,
+                          memory=memory, memory_mask=cross_mask, cache=layer_cache, pos_scores=pos_scores)
         if static:
             cache.advance(T)
         if self.norm is not None:

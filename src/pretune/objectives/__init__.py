@@ -12,6 +12,7 @@ import dataclasses
 
 from ..config import ConfigError, _did_you_mean
 from .base import IGNORE, Objective, Settings
+from .distill import Distill
 from .encoder import Electra, MaskedLM, SentenceOrderMLM, SentencePairMLM
 from .lm import CausalLM
 from .losses import causal_lm_loss, masked_lm_loss
@@ -19,7 +20,7 @@ from .seq2seq import BertStyle, Denoise, Deshuffle, DropTokens, IidMask, IidSpan
 
 OBJECTIVES: dict[str, type[Objective]] = {c.name: c for c in (
     CausalLM, PrefixLM, MaskedLM, SentencePairMLM, SentenceOrderMLM, Electra, SpanCorruption, IidSpans,
-    BertStyle, IidMask, DropTokens, Deshuffle, Denoise)}
+    BertStyle, IidMask, DropTokens, Deshuffle, Denoise, Distill)}
 
 
 def objective_settings(values: dict | None = None, **kw) -> Settings:
@@ -53,8 +54,9 @@ def objective_settings(values: dict | None = None, **kw) -> Settings:
     return settings
 
 
-def build_objective(cfg: Settings, model, tokenizer) -> Objective:
-    """The objective named ``cfg.name`` for ``model`` (a TransformerLM) and ``tokenizer`` (pretune Tokenizer)."""
+def build_objective(cfg: Settings, model, tokenizer, *, teacher=None) -> Objective:
+    """The objective named ``cfg.name`` for ``model`` (a TransformerLM) and ``tokenizer`` (pretune Tokenizer);
+    ``teacher``: the frozen model objective ``distill`` learns from (the job loads ``objective.teacher``)."""
     if cfg.name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {cfg.name!r}{_did_you_mean(cfg.name, list(OBJECTIVES))}; "
                           f"choose one of {list(OBJECTIVES)}")
@@ -63,6 +65,8 @@ def build_objective(cfg: Settings, model, tokenizer) -> Objective:
         cfg = objective_settings(dataclasses.asdict(cfg))
     if cls is Electra:
         return cls(cfg, model.config, tokenizer, model=model)
+    if cls is Distill:
+        return cls(cfg, model.config, tokenizer, model=model, teacher=teacher)
     return cls(cfg, model.config, tokenizer)
 
 

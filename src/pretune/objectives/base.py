@@ -118,6 +118,11 @@ class Objective(nn.Module):
         """The model to save as the run's result (ELECTRA: the discriminator, which *is* ``model``)."""
         return model
 
+    def companions(self) -> dict:
+        """Other models the run saves beside its result, each as a model folder ``<train.out>/<name>`` (ELECTRA:
+        ``generator``), name -> TransformerLM."""
+        return {}
+
     def tokens_in(self, batch: dict[str, torch.Tensor]) -> int:
         """Real (non-pad) input tokens in a batch, for tokens/s."""
         n = int(batch["attention_mask"].sum())

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..model.layers import ACTIVATIONS
 from .base import IGNORE, Objective, Settings, _in_unit, require, summed_ce, with_specials
 from .masking import mlm_example, sentence_pair
 
@@ -108,7 +107,9 @@ class SentencePairMLM(MaskedLM):
         super().__init__(cfg, model_cfg, tokenizer)
         dim = model_cfg.dim
         self.pooler = None if model_cfg.pooler else nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
-        self.classifier = nn.Linear(dim, 2)  # pretraining-only; saved with the training state
+        # the model's own pair head (pair_head: ALBERT presets) is trained and exported with it (AlbertForPreTraining);
+        # else a pretraining-only classifier, saved with the training state
+        self.classifier = None if model_cfg.pair_head else nn.Linear(dim, 2)
 
     def n_special_tokens(self) -> int:
         return 3
@@ -130,7 +131,7 @@ class SentencePairMLM(MaskedLM):
     def loss(self, model, batch, totals):
         h, s, correct = self._mlm(model, batch)
         pooled = model.pooler(h) if model.pooler is not None else self.pooler(h[:, 0])  # (B, dim)
-        logits = self.classifier(pooled)  # (B, 2)
+        logits = (model.pair_head if model.pair_head is not None else self.classifier)(pooled)  # (B, 2)
         s2, c2 = summed_ce(logits, batch["pair_labels"])
         loss = s / totals["mlm"] + s2 / totals[self.task]
         return loss, {"mlm_loss": float(s.detach()), "mlm_correct": float(correct),
@@ -144,19 +145,6 @@ class SentenceOrderMLM(SentencePairMLM):
     task = "sop"
 
 
-class RTDHead(nn.Module):
-    """ELECTRA's discriminator head: dense + activation, then one logit per token (replaced or not)."""
-
-    def __init__(self, dim: int, act: str):
-        super().__init__()
-        self.dense = nn.Linear(dim, dim)
-        self.act = ACTIVATIONS[act]
-        self.out = nn.Linear(dim, 1)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.out(self.act(self.dense(h)))  # (B, T, 1)
-
-
 def _sentences(block) -> list[np.ndarray]:
     starts = list(np.asarray(block.sent_starts, dtype=np.int64)) + [len(block.tokens)]
     return [block.tokens[s:e].astype(np.int64) for s, e in zip(starts[:-1], starts[1:]) if e > s]
@@ -164,11 +152,15 @@ def _sentences(block) -> list[np.ndarray]:
 
 class Electra(MaskedLM):
     """ELECTRA: a small MLM generator fills the masked positions with samples; the discriminator (the model
-    being pretrained) labels every token original/replaced. Loss = MLM + λ·RTD (λ = 50, Clark et al. 2020)."""
+    being pretrained) labels every token original/replaced. Loss = MLM + λ·RTD (λ = 50, Clark et al. 2020).
+
+    The discriminator's replaced-token-detection head is the model's own (head "rtd"), so the saved model is
+    ElectraForPreTraining; the generator is a model of its own, saved beside it (``companions``) and exported as
+    ElectraForMaskedLM."""
 
     name = "electra"
     Settings = ElectraSettings
-    head = None  # the discriminator's RTD head lives in the objective; the generator has its own MLM head
+    head = "rtd"  # the discriminator's head; the generator has its own MLM head
     why = "replaced-token detection classifies every token with both-side context, so it needs an encoder;"
 
     def __init__(self, cfg, model_cfg, tokenizer, *, model=None):
@@ -178,12 +170,13 @@ class Electra(MaskedLM):
         s = cfg.generator_scale
         heads = max(1, round(model_cfg.n_heads * s))
         dim = max(heads, int(model_cfg.dim * s) // heads * heads)
+        # ElectraForMaskedLM's head: dense to the embedding width + GELU + LayerNorm, the tied decoder
         gen_cfg = model_cfg.replace(dim=dim, n_heads=heads, n_kv_heads=None, head_dim=None,
-                                    ffn_dim=max(1, int(model_cfg.ffn_dim * s)), head="mlm", pooler=False,
-                                    embed_dim=model_cfg.embedding_dim if model_cfg.embedding_dim != dim else None)
+                                    ffn_dim=max(1, int(model_cfg.ffn_dim * s)), head="mlm", head_act="gelu",
+                                    pooler=False, embed_dim=model_cfg.embedding_dim if model_cfg.embedding_dim != dim
+                                    else None, **self.records())
         self.generator = TransformerLM(gen_cfg)  # ELECTRA: generator ~1/4 of the discriminator's width
         self.term_weights = {"rtd": cfg.electra_lambda}
-        self.rtd_head = RTDHead(model_cfg.dim, model_cfg.head_act)
         if model is not None:
             self.share_embeddings(model)
 
@@ -199,6 +192,14 @@ class Electra(MaskedLM):
             if mod is not None and any(True for _ in mod.parameters()):
                 setattr(gs, part, mod)
 
+    def records(self) -> dict:
+        """ELECTRA's classification head (dense + GELU on the first token): a classifier finetuned later is
+        ElectraForSequenceClassification's."""
+        return {"cls_act": "gelu"}
+
+    def companions(self) -> dict:
+        return {"generator": self.generator}
+
     def counts(self, batch):
         return {"mlm": int((batch["labels"] != IGNORE).sum()), "rtd": int(batch["attention_mask"].sum())}
 
@@ -210,7 +211,7 @@ class Electra(MaskedLM):
             logits = self.generator.head(h.detach()[selected]).float()  # (N, vocab)
         original, corrupted, is_replaced = self.replace(batch, logits)
         hd = model.transformer.encode(corrupted, batch["attention_mask"])  # (B, T, dim)
-        rtd_logits = self.rtd_head(hd).squeeze(-1).float()  # (B, T)
+        rtd_logits = model.head(hd).float()  # (B, T)
         real = batch["attention_mask"].bool()
         s_rtd = nn.functional.binary_cross_entropy_with_logits(rtd_logits[real], is_replaced[real], reduction="sum")
         rtd_correct = ((rtd_logits[real] > 0).float() == is_replaced[real]).sum()

@@ -22,7 +22,7 @@ def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,
     if isinstance(head, LMHead) and head.fusable and head.proj is None:
         if head.scale is not None:
             h = h * head.scale
-        return fused_linear_cross_entropy(h, head.weight, targets) * n_valid, None
+        return fused_linear_cross_entropy(h, head.weight, targets, bias=head.bias) * n_valid, None
     return summed_ce(head(h), targets)
 
 

@@ -34,7 +34,7 @@ def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if isinstance(head, LMHead) and head.proj is None:  # plain (possibly tied) linear head: fuse with the loss
         if head.scale is not None:
             h = h * head.scale
-        return fused_linear_cross_entropy(h, head.weight, targets.reshape(-1))
+        return fused_linear_cross_entropy(h, head.weight, targets.reshape(-1), bias=head.bias)
     logits = head(h)  # (B*(T-1), vocab)
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 

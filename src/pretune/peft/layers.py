@@ -435,17 +435,18 @@ class RoutedHead(nn.Module):
         self.adapter_heads = nn.ModuleDict()
         self.state = state
 
-    def forward(self, h, attention_mask=None, pooled=None):
-        logits = self.base(h, attention_mask, pooled)
+    def forward(self, h, attention_mask=None, pooled=None, input_ids=None):
+        logits = self.base(h, attention_mask, pooled, input_ids=input_ids)  # input_ids: BART pools at each row's EOS
         for name, rows in self.state.routes():
             if name not in self.adapter_heads:
                 continue
             head = self.adapter_heads[name]
             if rows is None:
-                logits = head(h, attention_mask, pooled)
+                logits = head(h, attention_mask, pooled, input_ids=input_ids)
                 continue
             out = head(h[rows], None if attention_mask is None else attention_mask[rows],
-                       None if pooled is None else pooled[rows])
+                       None if pooled is None else pooled[rows],
+                       input_ids=None if input_ids is None else input_ids[rows])
             if out.shape[1:] != logits.shape[1:]:
                 raise ValueError(f"adapter {name!r}'s head gives outputs of shape {tuple(out.shape[1:])}, the "
                                  f"batch's other rows {tuple(logits.shape[1:])}: a mixed batch needs equal heads")

@@ -99,7 +99,7 @@ class Task(Objective):
 
     def __init__(self, cfg: TaskConfig, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
-        self.max_len = min(cfg.max_len, model_cfg.max_seq_len)
+        self.max_len = min(cfg.max_len, model_cfg.max_positions)  # RoBERTa, BART: the offset rows are no positions
         self.labels: list[str] = list(model_cfg.labels or []) if self.has_labels else []
         self.label_ids = {name: i for i, name in enumerate(self.labels)}
 

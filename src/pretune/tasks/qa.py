@@ -39,7 +39,7 @@ class QA(Task):
             qa_spans._budget(self.max_len, cfg.stride, 4 if self.layout == "roberta" else 3, None)
         except ValueError as e:
             raise ConfigError(f"task qa: {e} (task.max_len={cfg.max_len}, task.stride={cfg.stride}; the model "
-                              f"reads at most {model_cfg.max_seq_len} tokens)") from None
+                              f"reads at most {model_cfg.max_positions} tokens)") from None
 
     def answers(self, rec: Record) -> list[tuple[str, int | None]]:
         """Gold answers as (text, answer_start or None)."""
