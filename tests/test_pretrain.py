@@ -95,8 +95,8 @@ def test_config_errors_name_the_key():
         load_run_config(overrides=["trian.lr=1"])
     with pytest.raises(ConfigError, match="objective.name='mlmm'.*did you mean 'mlm'"):
         load_run_config(overrides=["objective.name=mlmm"])
-    with pytest.raises(ConfigError, match="precision='fp16'"):
-        load_run_config(overrides=["train.precision=fp16"])
+    with pytest.raises(ConfigError, match="precision='fp8'"):
+        load_run_config(overrides=["train.precision=fp8"])
     with pytest.raises(ConfigError, match="must be an integer"):
         load_run_config(overrides=["train.steps=ten"])
 

@@ -201,15 +201,20 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None) ->
     """
     path = Path(path)
     with atomic_folder(path) as tmp:
-        model.config.save(tmp / CONFIG_NAME)
         tensors = {k: v.contiguous().cpu() for k, v in unique_state(model).items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "library": "pretune"})
-        if tokenizer is not None:
-            if isinstance(tokenizer, (str, os.PathLike)):
-                shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
-            else:
-                tokenizer.save(str(tmp / TOKENIZER_NAME))
+        write_config_and_tokenizer(model.config, tokenizer, tmp)
     return path
+
+
+def write_config_and_tokenizer(config, tokenizer: Any, folder: Path) -> None:
+    """config.json, and tokenizer.json (+ its chat template and roles) when a tokenizer (object or file) is given."""
+    config.save(folder / CONFIG_NAME)
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, os.PathLike)):
+            shutil.copyfile(tokenizer, folder / TOKENIZER_NAME)
+        else:
+            tokenizer.save(str(folder / TOKENIZER_NAME))
 
 
 def read_weights(file: str | os.PathLike) -> dict[str, torch.Tensor]:

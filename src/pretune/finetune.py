@@ -60,6 +60,8 @@ class FinetuneData:
     dev_fraction: float = 0.1  # share of train held out as dev when `dev` is empty
     errors: Literal["strict", "replace"] = "strict"  # non-UTF-8 bytes: stop naming the line, or replace
     packing: bool = False  # sft: several training examples per row of task.max_len tokens (none sees another)
+    train_limit: int = 0  # train on a random N of the training records (after the dev split), drawn with train.seed:
+    # the same N and seed give the same records, a larger N a superset of a smaller one (learning curves); 0: all
 
 
 @dataclass
@@ -145,6 +147,9 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
         raise ConfigError(f"tune.head_lr={tune.head_lr} must be >= 0 (0: the head learns at train.lr)")
     if not 0 < cfg.data.dev_fraction < 1:
         raise ConfigError(f"data.dev_fraction={cfg.data.dev_fraction} must be in (0, 1)")
+    if cfg.data.train_limit < 0:
+        raise ConfigError(f"data.train_limit={cfg.data.train_limit}: expected a number of training records >= 0 "
+                          "(0: all of them)")
     if cfg.peft.method:
         cfg.peft.validated()
         if tune.freeze_body or tune.from_scratch:
@@ -261,6 +266,16 @@ def _split_dev(records: list[Record], fraction: float, seed: int) -> tuple[list[
     return [r for i, r in enumerate(records) if i not in dev], [r for i, r in enumerate(records) if i in dev]
 
 
+def subsample(records: list[Record], n: int, seed: int) -> list[Record]:
+    """A seeded random ``n`` of ``records``, in their file order (``n`` 0 or at least ``len(records)``: all).
+    The draw is the first ``n`` of one permutation fixed by ``seed``, so a larger ``n`` with the same seed keeps
+    every record of a smaller one (nested subsamples make learning curves comparable)."""
+    if not n or n >= len(records):
+        return records
+    keep = np.sort(np.random.default_rng(seed).permutation(len(records))[:n])
+    return [records[i] for i in keep]
+
+
 def build_model_for_task(cfg: FinetuneConfig, task_cls, labels: list[str], *, log=print):
     """(model, tokenizer) with the task head: from model.init (pretrained or --from-scratch) or a preset."""
     from .loading import load_pretrained
@@ -329,9 +344,16 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
     else:
         train_recs, dev_recs = _split_dev(train_recs, cfg.data.dev_fraction, cfg.train.seed)
     test_recs = read_split(cfg.data.test, "test", cfg.data.errors) if cfg.data.test else []
+    derived: dict[str, str] = {}
+    if cfg.data.train_limit:
+        n_all = len(train_recs)
+        train_recs = subsample(train_recs, cfg.data.train_limit, cfg.train.seed)
+        derived["data.train_limit"] = (f"{len(train_recs)} of the {n_all} training records, drawn with train.seed="
+                                       f"{cfg.train.seed}")
+        log(f"data.train_limit: training on {len(train_recs)} of the {n_all} training records (drawn with "
+            f"train.seed={cfg.train.seed})")
     # dev labels join the map too: a rare class absent from train must not make every evaluation fail
     labels = task_cls.label_set(cfg.task, train_recs + dev_recs)
-    derived: dict[str, str] = {}
     if task_cls.labels_in_task and not cfg.task.labels:
         cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, labels=list(labels)))
         derived["task.labels"] = "read from the training and dev data"
@@ -402,9 +424,10 @@ def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, 
     if not lr:
         lr = method.default_lr
         derived["train.lr"] = f"the default of {method.name}"
-    precision = resolve_precision(tr.precision, "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as train.dist.init_distributed picks it
+    precision = resolve_precision(tr.precision, device)
     if tr.precision == "auto":
-        derived["train.precision"] = f"auto on {describe_device('cpu')}"
+        derived["train.precision"] = f"auto on {describe_device(device)}"
     tr = dataclasses.replace(tr, steps=steps, eval_every=eval_every, save_every=save_every, warmup_steps=warmup, lr=lr,
                              precision=precision)
     check_train(tr)
@@ -430,8 +453,9 @@ class FinetuneResult:
     history: list = field(default_factory=list)  # (step, dev metrics) of every evaluation
 
 
-def _trainer(job: Prepared, *, show_progress: bool, log):
-    """The shared Trainer over the training features, with dev evaluation, keep-best and early stopping."""
+def _trainer(job: Prepared, *, show_progress: bool, log, dist=None):
+    """The shared Trainer over the training features, with dev evaluation (sharded over the processes of a torchrun
+    run, gathered), keep-best and early stopping."""
     from .train.callbacks import EarlyStopping, EvalHistory, KeepBest
     from .train.dist import DistInfo
     from .train.loop import ExampleSet, Trainer
@@ -444,9 +468,15 @@ def _trainer(job: Prepared, *, show_progress: bool, log):
     def trained_params() -> dict[str, torch.Tensor]:
         return {n: p for n, p in model.named_parameters() if n in trained}
 
+    dist = dist or DistInfo()
+    trainers = []
+
     def evaluator() -> dict:
-        m, _ = evaluate_task(task, model, job.records["dev"], batch_size=tr.batch_size * 2, precision=tr.precision,
-                             features=job.features["dev"], show_progress=show_progress, desc="dev")
+        # FSDP: each process scores its share with the gathered weights (a sharded forward would need every process
+        # to run the same number of forwards, which generation does not)
+        net = trainers[0].consolidated() if trainers and trainers[0].fsdp else model
+        m, _ = evaluate_task(task, net, job.records["dev"], batch_size=tr.batch_size * 2, precision=tr.precision,
+                             features=job.features["dev"], show_progress=show_progress, desc="dev", dist=dist)
         return {f"dev_{k}": v for k, v in m.items()}
 
     callbacks = [EvalHistory(), KeepBest(f"dev_{job.metric}", trained_params, higher=higher,
@@ -463,9 +493,11 @@ def _trainer(job: Prepared, *, show_progress: bool, log):
         param_lr = {id(p): cfg.tune.head_lr for p in model.head.parameters() if p.requires_grad}
         log(f"task head ({sum(p.numel() for p in model.head.parameters()):,} parameters) at lr "
             f"{cfg.tune.head_lr:g}, the rest at {tr.lr:g}")
-    return Trainer(model=model, objective=task, data=data, cfg=tr, run_dir=Path(tr.out), tokenizer=job.tokenizer,
-                   dist=DistInfo(), bucket=True, run_config=cfg, show_progress=show_progress, evaluator=evaluator,
-                   callbacks=callbacks, param_lr=param_lr)
+    trainer = Trainer(model=model, objective=task, data=data, cfg=tr, run_dir=Path(tr.out), tokenizer=job.tokenizer,
+                      dist=dist, bucket=True, run_config=cfg, show_progress=show_progress, evaluator=evaluator,
+                      callbacks=callbacks, param_lr=param_lr)
+    trainers.append(trainer)
+    return trainer
 
 
 def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = False, show_progress: bool = True,
@@ -475,21 +507,42 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
     ``train.out`` must be a new (or empty) folder; ``overwrite=True`` starts over in an earlier run's folder
     (removing what that run wrote, nothing else); ``resume=True`` continues the run there from its newest intact
     checkpoint, bit for bit as if it had not stopped (its config may differ only as ``runconfig.check_resume``
-    allows)."""
+    allows).
+
+    Under ``torchrun`` (the same command, N processes): each process trains on its share of every batch (DDP, or
+    FSDP with ``train.parallel=fsdp``) and scores its share of dev and test; process 0 alone writes and logs."""
+    from .train.dist import init_distributed, shutdown
+
+    dist = init_distributed()
+    try:
+        if not dist.is_main:
+            log, show_progress = (lambda *a, **k: None), False
+        return _finetune(cfg, dist, resume=resume, overwrite=overwrite, show_progress=show_progress, log=log)
+    finally:
+        shutdown(dist)
+
+
+def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_progress: bool,
+              log) -> FinetuneResult:
     from .model import count_parameters
     from .outputs import check_folder, prepare_run_folder
+    from .train.dist import barrier
     from .train.precision import precision_line
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.set_flush_denormal(True)
-    check_folder(cfg.train.out, overwrite=overwrite, resume=resume, what="run")  # before any work
+    if dist.is_main:
+        check_folder(cfg.train.out, overwrite=overwrite, resume=resume, what="run")  # before any work
     requested = cfg.train.precision
-    resolve_precision(requested, "cpu", warn=log)
+    resolve_precision(requested, dist.device, warn=log)
     job = prepare(cfg, show_progress=show_progress, log=log)
     cfg, model, task, tr = job.cfg, job.model, job.task, job.cfg.train
-    run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
-                                 derived=tuple(job.derived))
+    run_dir = Path(tr.out)
+    if dist.is_main:
+        run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
+                                     derived=tuple(job.derived))
+    barrier(dist)
     counts = count_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n = {k: len(v) for k, v in job.records.items()}
@@ -499,13 +552,15 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
         f"{n['train']} train / {n['dev']} dev{test} records"
         f"{f', {len(task.labels)} labels' if task.labels else ''}; {tr.steps} steps of {tr.batch_size} "
         f"({f'{cfg.tune.epochs:g} epochs' if cfg.tune.epochs else 'train.steps, as tune.epochs=0'}) at lr "
-        f"{tr.lr:g}, dev {job.metric} every {tr.eval_every} steps -> {run_dir}")
-    log(precision_line(requested, tr.precision))
-    trainer = _trainer(job, show_progress=show_progress, log=log)
+        f"{tr.lr:g}, dev {job.metric} every {tr.eval_every} steps -> {run_dir}"
+        + (f", {dist.world} processes ({tr.parallel})" if dist.enabled else ""))
+    log(precision_line(requested, tr.precision, dist.device))
+    trainer = _trainer(job, show_progress=show_progress, log=log, dist=dist)
     t0 = time.perf_counter()
     result = trainer.fit(resume=resume, log=log)
     seconds = time.perf_counter() - t0
-    return export(job, trainer, result.step, seconds, show_progress=show_progress, log=log)
+    job = dataclasses.replace(job, model=trainer.consolidated())  # FSDP: the gathered weights, a plain model
+    return export(job, trainer, result.step, seconds, show_progress=show_progress, log=log, dist=dist)
 
 
 def _size(path: Path) -> int:
@@ -514,11 +569,14 @@ def _size(path: Path) -> int:
 
 
 def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress: bool = True,
-           log=print) -> FinetuneResult:
+           log=print, dist=None) -> FinetuneResult:
     """After training: save the (best) model or adapter, score dev and test, write results.json, predictions
-    and the loss plot."""
+    and the loss plot. ``dist``: several processes score the test set together; process 0 writes."""
     from .outputs import mark
     from .train.callbacks import EvalHistory, KeepBest
+    from .train.dist import DistInfo, barrier
+
+    dist = dist or DistInfo()
 
     cfg, model, task, tr = job.cfg, job.model, job.task, job.cfg.train
     run_dir = Path(tr.out)
@@ -527,9 +585,11 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     if best.restored:
         log(f"keeping the best dev model: step {best.best_step} ({job.metric} {best.best:.4f})")
     model_dir = run_dir / "model"
-    extra = job.method.save(model, job.tokenizer, model_dir, cfg, log)
-    cfg.save(model_dir / "run.yaml")
-    mark(model_dir, ["run.yaml"])
+    extra = {}
+    if dist.is_main:
+        extra = job.method.save(model, job.tokenizer, model_dir, cfg, log)
+        cfg.save(model_dir / "run.yaml")
+        mark(model_dir, ["run.yaml"])
     if history and not cfg.tune.keep_best:
         dev_final = history[-1][1]
     else:
@@ -539,17 +599,20 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
         # in fp32 whatever the training precision: the scores `pretune evaluate MODEL TEST` reproduces
         test_metrics, preds = evaluate_task(task, model, job.records["test"], batch_size=tr.batch_size * 2,
                                             precision="fp32", features=job.features["test"],
-                                            show_progress=show_progress, desc="test")
-        write_predictions(task, job.records["test"], preds, run_dir / "test_predictions.jsonl")
+                                            show_progress=show_progress, desc="test", dist=dist)
+        if dist.is_main:
+            write_predictions(task, job.records["test"], preds, run_dir / "test_predictions.jsonl")
     results = {"task": task.name, "metric": job.metric, "best_step": best.best_step, "steps": steps,
                "stopped_early": trainer.stopped_early, "train_seconds": seconds, "dev": dev_final,
                "test": test_metrics, "history": [{"step": s, **h} for s, h in history], **extra}
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    if tr.plot and (run_dir / "metrics.jsonl").is_file():
-        from .train.logging import plot_losses
+    if dist.is_main:
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        if tr.plot and (run_dir / "metrics.jsonl").is_file():
+            from .train.logging import plot_losses
 
-        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"finetune {task.name}")
-    mark(run_dir, ["model", "results.json", "test_predictions.jsonl", "loss.png"])
+            plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"finetune {task.name}")
+        mark(run_dir, ["model", "results.json", "test_predictions.jsonl", "loss.png"])
+    barrier(dist)
     log(format_scores("dev", dev_final) + ("\n" + format_scores("test", test_metrics) if test_metrics else ""))
     log(f"model -> {model_dir}  ({steps} steps, {seconds:.1f}s); the run folder holds {_size(run_dir) / 1e6:.1f} MB")
     return FinetuneResult(run_dir=run_dir, model_dir=model_dir, steps=steps, seconds=seconds, dev=dev_final,

@@ -88,6 +88,23 @@ def run_outputs(task, model, features: list[dict], *, batch_size: int = 64, prec
     return out
 
 
+def _sharded_outputs(task, model, features: list[dict], dist, *, loss_sums: dict | None, **kw) -> list:
+    """run_outputs over this process's share of ``features`` (every world-th), gathered from all processes into
+    the input order; ``loss_sums`` summed over them."""
+    from .train.dist import all_gather_objects
+
+    mine = list(range(dist.rank, len(features), dist.world))
+    part_sums: dict | None = {} if loss_sums is not None else None
+    outs = run_outputs(task, model, [features[i] for i in mine], loss_sums=part_sums, **kw)
+    out: list = [None] * len(features)
+    for ids, res, sums in all_gather_objects((mine, outs, part_sums), dist):
+        for i, r in zip(ids, res):
+            out[i] = r
+        for k, v in (sums or {}).items():
+            loss_sums[k] = loss_sums.get(k, 0.0) + v
+    return out
+
+
 def score(task, records: list[Record], predictions: list) -> dict:
     """The task's metrics (``task.score``) of ``predictions`` against the records' gold."""
     return task.score(predictions, [task.reference(r) for r in records])
@@ -95,13 +112,19 @@ def score(task, records: list[Record], predictions: list) -> dict:
 
 def evaluate_task(task, model, records: list[Record], *, batch_size: int = 64, precision: str = "fp32",
                   show_progress: bool = False, features: list[dict] | None = None,
-                  desc: str = "evaluate") -> tuple[dict, list]:
-    """(metrics, predictions) of ``model`` on labelled ``records``."""
+                  desc: str = "evaluate", dist=None) -> tuple[dict, list]:
+    """(metrics, predictions) of ``model`` on labelled ``records``. ``dist`` (a DistInfo of several processes):
+    each process runs every world-th feature and the outputs are gathered in order, so every process gets the
+    metrics one process would compute."""
     if features is None:
         features = encode_records(task, records, labelled=True, show_progress=show_progress)
     sums: dict | None = {} if getattr(task, "reports_perplexity", False) else None
-    outs = run_outputs(task, model, features, batch_size=batch_size, precision=precision,
-                       show_progress=show_progress, loss_sums=sums, desc=desc)
+    if dist is not None and dist.enabled:
+        outs = _sharded_outputs(task, model, features, dist, batch_size=batch_size, precision=precision,
+                                show_progress=show_progress, loss_sums=sums, desc=desc)
+    else:
+        outs = run_outputs(task, model, features, batch_size=batch_size, precision=precision,
+                           show_progress=show_progress, loss_sums=sums, desc=desc)
     preds = task.predict(records, features, outs)
     metrics = score(task, records, preds)
     if sums:

@@ -54,8 +54,14 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warmup (inverse_sqrt: constant lr for these steps, as T5)
     min_lr_ratio: float = 0.0  # linear/cosine decay floor as a fraction of lr
     clip: float = 1.0  # gradient-norm clipping; 0 disables
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast matmuls to bfloat16, fp32 master weights;
-    # auto: bf16 where the device computes it natively (CPU AMX / AVX512-BF16, CUDA), else fp32 (train/precision.py)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # bf16: autocast matmuls to bfloat16, fp32 master
+    # weights; auto: bf16 where the device computes it natively (CPU AMX / AVX512-BF16, CUDA), else fp32 (never fp16);
+    # fp16: float16 autocast with a dynamic loss scale (overflowing steps skipped), for GPUs without bf16
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: ddp replicates the model; fsdp shards parameters,
+    # gradients and AdamW state over the processes (FSDP2) and writes sharded checkpoints; one process: no wrapper
+    activation_checkpointing: Literal["none", "blocks"] = "none"  # blocks: recompute each transformer block's
+    # activations in the backward instead of keeping them (less memory, about one more forward of compute)
+    cpu_offload: bool = False  # fsdp on GPUs: keep the sharded parameters, gradients and AdamW state in CPU memory
     compile: bool = False  # torch.compile each transformer block (slow first steps, faster after)
     eval_every: int = 200  # evaluate every N steps (and at the end); 0: only at the end
     eval_batches: int = 0  # cap on evaluation batches; 0: the whole held-out set
@@ -170,6 +176,8 @@ def check_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.lr={t.lr} must be > 0")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.cpu_offload and t.parallel != "fsdp":
+        raise ConfigError("train.cpu_offload=true offloads FSDP shards: it needs train.parallel=fsdp")
     if t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps={t.steps}); "
                           f"expected at most {t.steps}")

@@ -36,8 +36,18 @@ def test_explicit_bf16_without_native_support_warns_with_the_measured_cost(monke
 
 
 def test_unknown_precision_is_refused():
-    with pytest.raises(ValueError, match="fp16"):
-        P.resolve_precision("fp16", "cpu")
+    with pytest.raises(ValueError, match="fp8"):
+        P.resolve_precision("fp8", "cpu")
+
+
+def test_fp16_is_never_picked_by_auto_and_is_kept_when_asked(monkeypatch):
+    monkeypatch.setattr(P, "_cpu_flags", lambda: {"amx_bf16": True})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert P.resolve_precision("auto", "cpu") == "bf16"
+    said = []
+    monkeypatch.setattr(P, "bf16_slowdown", lambda n=512, dtype=None: 40.0)
+    assert P.resolve_precision("fp16", "cpu", warn=said.append) == "fp16"
+    assert len(said) == 1 and "fp16 matmuls run 40x slower" in said[0]
 
 
 def test_the_line_a_run_prints_names_the_choice_and_the_device(monkeypatch):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
-from .flags import FINETUNE_FLAGS, PRETRAIN_FLAGS, add_flags, config_layer
+from .flags import DISTILL_FLAGS, FINETUNE_FLAGS, PRETRAIN_FLAGS, add_flags, config_layer
 
 EPILOG = """examples:
   pretune tokenizer train CORPUS/*.txt.gz --kind wordpiece --vocab-size 8000 --out tok/tokenizer.json
@@ -16,6 +17,7 @@ EPILOG = """examples:
   pretune data tokenize CORPUS/*.txt.gz --tokenizer tok/tokenizer.json --out store/
   pretune pretrain --preset tiny-bert-base --objective mlm --tokenizer tok/tokenizer.json --data CORPUS/*.txt.gz
   pretune pretrain --config configs/pretrain/bert-mlm.yaml train.lr=1e-3 --resume
+  pretune distill --teacher runs/bert/model --preset distilbert-base --init-from-teacher every_other --data CORPUS
   pretune show bert-base                 architecture and parameter counts of a preset
   pretune show path/to/checkpoint        ... or of a saved checkpoint / Hugging Face folder
   pretune convert --from-hf HF_DIR --out CKPT_DIR
@@ -32,6 +34,7 @@ EPILOG = """examples:
   pretune prompt MODEL --data test.jsonl --template 'Message: {text}\\nSpam? Answer:' --labels 'ham=No,spam=Yes' \\
       --shots 4 --shots-from train.jsonl      few-shot classification by label-word likelihood (--cot: reasoning)
   pretune quickstart                     tokenizer -> MLM pretraining -> finetune vs scratch vs MiniLM, a table + plot
+  pretune sweep configs/sweep/lora-lr.yaml --jobs 2   grid / random search x seeds: results, mean ± std table, plots
   pretune data bundled --copy data       the bundled real corpus and task files (list them, or copy them to data/)
 """
 
@@ -83,7 +86,7 @@ def cmd_show(args) -> int:
             model = TransformerLM(cfg)
     counts = count_parameters(model)
     print(f"{args.target}: {cfg.family} transformer")
-    layers = cfg.layers_text
+    layers = cfg.layers_text + (" (one block's weights shared across depth)" if cfg.share_layers else "")
     attn = f"{cfg.n_heads} heads x {cfg.dh}"
     if cfg.kv_heads != cfg.n_heads:
         attn += f", {cfg.kv_heads} kv heads (GQA)"
@@ -96,8 +99,9 @@ def cmd_show(args) -> int:
         attn += f", sliding window {cfg.sliding_window}{where}"
     if cfg.attn_softcap is not None:
         attn += f", scores soft-capped at {cfg.attn_softcap:g}"
-    rope = f" (base {cfg.rope_base:g}" + (f", {cfg.rope_scaling} scaling x{cfg.rope_factor:g}"
-                                           if cfg.rope_scaling != "none" else "") + ")"
+    rope = f" (base {cfg.rope_base:g}" + (f", sliding-window layers {cfg.rope_local_base:g}"
+                                           if cfg.rope_local_base is not None else "") + (
+        f", {cfg.rope_scaling} scaling x{cfg.rope_factor:g}" if cfg.rope_scaling != "none" else "") + ")"
     rows = [
         ("layers", layers), ("dim", cfg.dim), ("attention", attn), ("ffn", f"{cfg.ffn}, inner {cfg.ffn_dim}"),
         ("norm", f"{cfg.norm} ({cfg.norm_placement}-norm, eps {cfg.norm_eps:g})"),
@@ -107,9 +111,10 @@ def cmd_show(args) -> int:
          + (f", factorised {cfg.embed_dim}" if cfg.embed_dim else "")
          + (", scaled by sqrt(dim)" if cfg.scale_embeddings else "")
          + (f", {cfg.token_types} token types" if cfg.token_types else "")),
-        ("head", cfg.head + (" + pooler" if cfg.pooler else "")
+        ("head", cfg.head + (" + pooler" if cfg.pooler else "") + (" + NSP/SOP pair head" if cfg.pair_head else "")
          + (f", logits soft-capped at {cfg.logit_softcap:g}" if cfg.logit_softcap is not None and cfg.head == "lm"
-            else "")),
+            else "")
+         + (", fixed logit bias" if cfg.logit_bias and cfg.head == "lm" else "")),
     ]
     for k, v in rows:
         print(f"  {k:<12} {v}")
@@ -120,6 +125,32 @@ def cmd_show(args) -> int:
     print(f"  {'total':<12} {counts['total']:>14,}  ({counts['total'] / 1e6:.1f}M)")
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "parameters": counts}, indent=2))
+    return 0
+
+
+DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB powers of 1024, a bare number bytes)."""
+    from ..config import ConfigError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if m is None:
+        raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def cmd_consolidate(args) -> int:
+    from ..consolidate import consolidate
+    from ..outputs import check_folder
+
+    check_folder(args.out, overwrite=args.overwrite)
+    out = consolidate(args.checkpoint, args.out, dtype=args.dtype)
+    print(f"consolidated {args.checkpoint} -> {out}")
     return 0
 
 
@@ -144,7 +175,12 @@ def cmd_convert(args) -> int:
                                "model_type); --to-hf exports a pretune checkpoint")
         model = load(src)
         tok = src / "tokenizer.json"
-        save(model, args.out, tokenizer=tok if tok.is_file() else None)
+        if not tok.is_file():  # a SentencePiece-only folder (ALBERT, T5, DeBERTa): its tokenizer, converted
+            from ..spm import find_model
+            from ..tokenization import Tokenizer
+
+            tok = Tokenizer.load(src) if find_model(src) is not None else None
+        save(model, args.out, tokenizer=tok)
         print(f"imported {src} -> {args.out} ({model.num_parameters():,} parameters)")
     else:
         src = Path(args.to_hf)
@@ -155,9 +191,17 @@ def cmd_convert(args) -> int:
             raise InteropError(f"{src} is already a Hugging Face folder; --from-hf imports it")
         model = load(src, merge=True)  # an adapter folder exports as its base with the adapter folded in
         tok_dir = src if any((src / n).is_file() for n in TOKENIZER_FILES) else None
-        to_hf(model, args.out, tokenizer_dir=tok_dir)
+        import torch
+
+        to_hf(model, args.out, tokenizer_dir=tok_dir, dtype=getattr(torch, DTYPES[args.dtype] or "float32"),
+              max_shard_bytes=parse_size(args.max_shard_size))
         print(f"exported {src} -> {args.out} (loads with transformers.AutoModel*.from_pretrained)")
     return 0
+
+
+def _worker() -> bool:
+    """A process of a torchrun job other than the first: process 0 reports for all."""
+    return int(os.environ.get("RANK", "0")) != 0
 
 
 def cmd_pretrain(args) -> int:
@@ -170,12 +214,35 @@ def cmd_pretrain(args) -> int:
         print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
         return 0
     result = pretrain(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
+    if _worker():
+        return 0
     if result.train_loss != result.train_loss:  # no step ran: the run had already finished
         print(f"nothing to do: {result.run_dir} already finished at step {result.steps}")
         return 0
     ev = ", ".join(f"{k} {v:.4g}" for k, v in result.eval.items())
     print(f"done: {result.steps} steps, train loss {result.train_loss:.4f}" + (f"; eval {ev}" if ev else ""))
     print(f"  finetunable model: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from ..distill import distill, load_distill_config
+
+    cfg = load_distill_config(args.config, args.overrides, base=config_layer(args, DISTILL_FLAGS))
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        return 0
+    result = distill(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
+    if _worker():
+        return 0
+    if result.train_loss != result.train_loss:  # no step ran: the run had already finished
+        print(f"nothing to do: {result.run_dir} already finished at step {result.steps}")
+        return 0
+    ev = ", ".join(f"{k} {v:.4g}" for k, v in result.eval.items())
+    print(f"done: {result.steps} steps, train loss {result.train_loss:.4f}" + (f"; eval {ev}" if ev else ""))
+    print(f"  student: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
     return 0
 
 
@@ -191,7 +258,8 @@ def cmd_finetune(args) -> int:
         print(resolved_finetune_config(cfg))
         return 0
     result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
-    print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
+    if not _worker():
+        print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
     return 0
 
 
@@ -296,7 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", metavar="DIR", required=True, help="destination folder (new or empty)")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: pretune's earlier output "
                    "there is replaced, anything else in it stays untouched")
+    s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="--to-hf: the weights' dtype in the exported files (bf16 halves a large model; default fp32)")
+    s.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="--to-hf: larger weights are split into files of at most SIZE (e.g. 2GB, 500MB) with "
+                   "transformers' model.safetensors.index.json (default 5GB)")
     s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("consolidate", help="a plain model folder from a training checkpoint (sharded FSDP ones too)",
+                       description="Write the model a training checkpoint holds (<run>/checkpoints/step-N, plain or "
+                       "sharded by an FSDP run of any number of processes) as a plain pretune model folder, in one "
+                       "process; what the run's model/ holds at its end, from any step.")
+    s.add_argument("checkpoint", help="a training checkpoint folder: <run>/checkpoints/step-NNNNNNNN")
+    s.add_argument("--out", metavar="DIR", required=True, help="destination model folder (new or empty)")
+    s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights' dtype (default fp32)")
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: pretune's earlier output "
+                   "there is replaced, anything else in it stays untouched")
+    s.set_defaults(func=cmd_consolidate)
 
     from .bench import add_bench_parser
     from .data import add_data_parsers
@@ -324,6 +408,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_pretrain)
+
+    s = sub.add_parser("distill", help="knowledge distillation: train a student on a teacher's soft predictions "
+                       "(DistilBERT)",
+                       description="Distil a teacher (a pretune checkpoint or Hugging Face folder with an MLM or LM "
+                       "head) into a student (--preset with model.KEY=VALUE overrides, or --init CHECKPOINT) on raw "
+                       "text: loss = alpha_kl * T^2 * KL(teacher || student) over the masked (MLM) or all (CLM) "
+                       "positions + alpha_hard * the MLM / CLM loss + alpha_cos * (1 - cos) of the last hidden "
+                       "states. The pretraining pipeline and trainer (checkpoints, --resume, torchrun) serve it; "
+                       "settings as pretune pretrain's (sections: model, tokenizer, data, objective, train).",
+                       epilog="example: pretune distill --teacher runs/bert/model --preset tiny-bert-base "
+                       "model.n_layers=1 --init-from-teacher every_other --data corpus.txt --out runs/distil "
+                       "train.steps=200\nsee docs/distill.md",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-3")
+    s.add_argument("--config", metavar="YAML", help="run config file")
+    add_flags(s, DISTILL_FLAGS)
+    s.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
+                   "that run wrote is removed, nothing else)")
+    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_distill)
 
     s = sub.add_parser("finetune", help="finetune a checkpoint on a downstream task (classification, pair, "
                        "regression, tagging, qa, seq2seq)",
@@ -384,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_parser(sub)
 
+    from .sweep import add_sweep_parser
+
+    add_sweep_parser(sub)
+
     s = sub.add_parser("quickstart", aliases=["demo"], help="the whole paradigm on bundled data: tokenizer -> "
                        "MLM pretraining -> finetuning vs from scratch vs MiniLM, with a table and a plot",
                        description="Trains a WordPiece tokenizer on the bundled corpus, pretrains a small BERT-style "
@@ -412,11 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     overrides: list[str] = []
-    if argv and argv[0] in ("pretrain", "finetune"):  # section.key=value (or --section.key=value) anywhere
+    if argv and argv[0] in ("pretrain", "distill", "finetune"):  # section.key=value (or --section.key=value) anywhere
         overrides = [a.lstrip("-") for a in argv[1:] if OVERRIDE.match(a)]
         argv = [argv[0]] + [a for a in argv[1:] if not OVERRIDE.match(a)]
     args = parser.parse_args(argv)
-    if args.command in ("pretrain", "finetune"):
+    if args.command in ("pretrain", "distill", "finetune"):
         args.overrides = overrides
     try:
         return args.func(args) or 0

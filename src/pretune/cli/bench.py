@@ -82,6 +82,11 @@ def add_bench_parser(sub) -> None:
          "labels on the assistant turns only, pretune against transformers + peft on identical token ids and "
          "labels, each run in its own process, alternating; reports tokens/s, peak RSS, whether pretune is "
          ">= 1.5x faster at <= 0.8x the memory, and how fast the SFT task scores test records by generation."),
+        ("distributed", "peak memory per process DDP vs FSDP, and activation checkpointing's memory and time",
+         "Under torchrun with 2 processes, a gpt2-medium-sized model's AdamW step with DDP and with FSDP (peak RSS per "
+         "process, step time); in one process, a gpt2-sized step at sequence length 1024 with and without activation "
+         "checkpointing (the step's peak memory, step time, largest gradient difference). Each run in its own "
+         "process, alternating."),
     ):
         module = importlib.import_module(f"pretune.bench.{name}")
         b = bsub.add_parser(name, help=help_, description=description)

@@ -91,6 +91,10 @@ class KeepBest(Callback):
             current = self.params()
             with torch.no_grad():
                 for k, v in self.saved.items():
+                    if hasattr(current[k], "device_mesh") and not hasattr(v, "device_mesh"):  # FSDP, from a checkpoint
+                        from torch.distributed.tensor import distribute_tensor
+
+                        v = distribute_tensor(v.to(current[k].dtype), current[k].device_mesh, current[k].placements)
                     current[k].copy_(v)
             self.restored = True
 

@@ -83,6 +83,13 @@ class _LossModule(nn.Module):
         return self.objective.loss(self.model, batch, totals)
 
 
+def _stacks(module: nn.Module) -> list:
+    """Every transformer Stack inside ``module`` (encoder, decoder, an objective's generator)."""
+    from ..model.transformer import Stack
+
+    return [m for m in module.modules() if isinstance(m, Stack)]
+
+
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()} if device.type != "cpu" else batch
 
@@ -130,8 +137,30 @@ class Trainer:
                              f"({len(data.train_ids)} examples): lower it or add data")
         self.precision = resolve_precision(cfg.precision, d.device)  # jobs resolve (and print) it before
         self.module = _LossModule(model, objective).to(d.device)
+        stacks = _stacks(self.module)  # the model's and any the objective owns (ELECTRA's generator)
+        if cfg.activation_checkpointing == "blocks":
+            for stack in stacks:
+                stack.checkpoint_blocks = True
         self.ddp = None
-        if d.enabled:
+        self.sharded = cfg.parallel == "fsdp"  # sharded checkpoints (one process too, so any world size resumes)
+        self.fsdp = self.sharded and d.enabled
+        self._twin = None
+        if self.fsdp:
+            from .parallel import meta_twin, shard
+
+            if cfg.cpu_offload and d.device.type != "cuda":
+                from ..config import ConfigError
+
+                raise ConfigError("train.cpu_offload=true moves FSDP shards from the GPU to CPU memory; this run is "
+                                  "on the CPU already: drop it")
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            param_lr = {names[k]: v for k, v in (param_lr or {}).items() if k in names}
+            self._twin = meta_twin(self.module)  # filled with the gathered weights by consolidated()
+            blocks = list({id(b): b for stack in stacks for b in stack.layers}.values())
+            shard(self.module, blocks, precision=self.precision, offload=cfg.cpu_offload)
+            params = dict(self.module.named_parameters())
+            param_lr = {id(params[n]): v for n, v in param_lr.items()}
+        elif d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # DDP must be told when some trainable parameter gets no gradient (a BERT pooler under a task head that
@@ -139,6 +168,14 @@ class Trainer:
             unused = self._unused_parameters()
             self.ddp = DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                            find_unused_parameters=bool(unused))
+        self.scaler = None
+        if self.precision == "fp16":  # dynamic loss scale: overflowing steps are skipped and the scale lowered
+            if self.fsdp:  # its overflow check is agreed over the processes, which hold different gradient shards
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.scaler = ShardedGradScaler(d.device.type)
+            else:
+                self.scaler = torch.amp.GradScaler(d.device.type)
         self.optimizer = build_optimizer([model, objective], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad,
                                          param_lr=param_lr)
@@ -206,8 +243,9 @@ class Trainer:
 
     # -- one optimizer step ------------------------------------------------------------------------
     def _autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
+        if self.precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+            return torch.autocast(self.dist.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def train_step(self) -> dict:
@@ -235,7 +273,8 @@ class Trainer:
             with ctx:
                 with self._autocast():
                     loss, stats = net(_to(batch, d.device), totals)
-                (loss * d.world).backward()  # DDP averages gradients over processes; we want their sum
+                scaled = loss * d.world  # DDP and FSDP average gradients over processes; we want their sum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += float(loss.detach())
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + v
@@ -245,16 +284,30 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"non-finite loss ({step_loss}) at step {self.step + 1}")
         grad_norm = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if cfg.clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.clip))
+            norm = torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], cfg.clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = False
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when a gradient is inf/NaN
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
+        if not skipped:  # a skipped step leaves the schedule where it was, as it leaves the weights
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         out = {"loss": step_loss, "lr": lr, "tokens": n_tokens, "epoch": epoch}
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.get_scale()
+            out["skipped"] = int(skipped)
         for k in terms:
             if f"{k}_correct" in stats_sum:
                 out[f"{k}_acc"] = None  # filled below after reduction
@@ -290,16 +343,20 @@ class Trainer:
         if cfg.eval_batches:
             chunks = chunks[: cfg.eval_batches * d.world]
         mine = chunks[d.rank::d.world]
+        if self.fsdp:  # every forward gathers weights from all processes: each runs as many (extras discarded)
+            mine = mine + [None] * (-(-len(chunks) // d.world) - len(mine))
         self.model.eval()
         self.objective.eval()
         sums: dict[str, float] = {}
         rng_state = torch.get_rng_state()  # evaluation must not move the training RNG (exact resume)
         torch.manual_seed(cfg.seed)
         for chunk in mine:
-            batch = self.make_batch(chunk, epoch=EVAL_EPOCH)  # the same corruption at every evaluation
-            counts = self.objective.counts(batch)
+            batch = self.make_batch(chunks[0] if chunk is None else chunk, epoch=EVAL_EPOCH)  # the same corruption
+            counts = self.objective.counts(batch)                                              # at every evaluation
             with self._autocast():
                 _, stats = self.module(_to(batch, d.device), {k: 1.0 for k in counts})
+            if chunk is None:
+                continue
             for k, v in list(stats.items()) + [(f"{k}_n", float(n)) for k, n in counts.items()]:
                 sums[k] = sums.get(k, 0.0) + v
         torch.set_rng_state(rng_state)
@@ -325,13 +382,17 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         rng = all_gather_objects(torch.get_rng_state(), self.dist)
         path = None
-        if self.dist.is_main:
+        callbacks = [cb.state_dict(self.step) for cb in self.callbacks]
+        if self.fsdp:  # a callback's copy of sharded weights (keep-best) is saved whole (every process gathers it)
+            callbacks = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in c.items()}
+                         for c in callbacks]
+        if self.dist.is_main or self.sharded:  # sharded: every process writes its slice
             path = save_training_state(self.run_dir, step=self.step, model=self.model, objective=self.objective,
                                        optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
                                        position=dict(self.position), rng_states=rng, run_config=self.run_config,
                                        keep_last=self.cfg.keep_last,
-                                       callbacks=[cb.state_dict(self.step) for cb in self.callbacks],
-                                       stopped_early=self.stopped_early)
+                                       callbacks=callbacks, stopped_early=self.stopped_early, scaler=self.scaler,
+                                       sharded=self.module if self.sharded else None, dist=self.dist)
         barrier(self.dist)
         return path or (self.run_dir / "checkpoints" / f"step-{self.step:08d}")
 
@@ -352,7 +413,8 @@ class Trainer:
         for ckpt in reversed(ckpts):
             try:
                 state, why = load_training_state(ckpt, model=self.model, objective=self.objective,
-                                                 optimizer=self.optimizer, scheduler=self.scheduler), ""
+                                                 optimizer=self.optimizer, scheduler=self.scheduler,
+                                                 scaler=self.scaler, sharded=self.module if self.sharded else None), ""
             except CheckpointError as e:
                 state, why = None, str(e)
             whys = [w for w in all_gather_objects(why, self.dist) if w]
@@ -368,16 +430,32 @@ class Trainer:
             for why in skipped:
                 log(f"skipped checkpoint {why}")
         rngs = state["rng"]
-        if len(rngs) != self.dist.world:
+        if len(rngs) != self.dist.world and not self.sharded:
             raise ConfigError(f"{ckpt} was written by {len(rngs)} process(es) and this run has {self.dist.world}: "
-                              f"resume it with {len(rngs)} (torchrun --nproc_per_node {len(rngs)})")
-        torch.set_rng_state(rngs[self.dist.rank])
+                              f"resume it with {len(rngs)} (torchrun --nproc_per_node {len(rngs)}); runs with "
+                              "train.parallel=fsdp resume with any number")
+        if len(rngs) != self.dist.world and self.dist.is_main:  # the data order is global; dropout's draws differ
+            log(f"resuming a checkpoint of {len(rngs)} process(es) with {self.dist.world}: the same examples follow, "
+                "in the same global batches")
+        torch.set_rng_state(rngs[self.dist.rank % len(rngs)])
         for cb, cb_state in zip(self.callbacks, state.get("callbacks") or []):
             cb.load_state_dict(cb_state)
         self.step = int(state["step"])
         self.position = {k: int(v) for k, v in state["position"].items()}
         self.stopped_early = bool(state.get("stopped_early", False))  # a run that stopped early is finished
         return self.step
+
+    def consolidated(self, *, objective: bool = False):
+        """The trained model with ordinary (unsharded) tensors, on every process: ``self.model`` itself unless the
+        run is sharded (FSDP), else a plain copy filled with the gathered weights (a collective: every process calls
+        it). For export and for evaluation that each process runs on its own. ``objective``: (model, objective),
+        the objective's own parts (ELECTRA's generator) gathered too."""
+        if not self.fsdp:
+            return (self.model, self.objective) if objective else self.model
+        from .parallel import consolidated, full_state
+
+        plain = consolidated(self._twin, full_state(self.module, to_all=True), self.module).to(self.dist.device)
+        return (plain.model, plain.objective) if objective else plain.model
 
     def _write_run_config(self, start: int) -> None:
         """run.yaml: the config the run uses, written once the run has started (a refused or failed resume leaves

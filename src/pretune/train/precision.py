@@ -8,7 +8,9 @@ Without native bf16 a CPU runs a bf16 matmul through a slow fallback (measured o
   (not limited by ``ATEN_CPU_CAPABILITY=avx2``), else fp32.
 
 ``auto`` never picks fp16. An explicit ``bf16`` on a CPU without native bf16 is kept but warned about once, with
-the slowdown measured on the spot.
+the slowdown measured on the spot. ``fp16`` (autocast to float16 with a dynamic loss scale, ``torch.amp.GradScaler``:
+a step whose gradients overflow is skipped and the scale lowered) is for GPUs without bf16 (V100, T4); on a CPU it
+is kept but warned about the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 __all__ = ["native_bf16", "resolve_precision", "describe_device", "bf16_slowdown", "PRECISIONS"]
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _cpu_flags() -> dict:
@@ -55,8 +58,9 @@ def describe_device(device: torch.device | str = "cpu") -> str:
 
 
 @functools.cache
-def bf16_slowdown(n: int = 512) -> float:
-    """How many times slower an (n x n) @ (n x n) matmul runs in bf16 than in fp32 on this CPU (median of 3)."""
+def bf16_slowdown(n: int = 512, dtype: torch.dtype = torch.bfloat16) -> float:
+    """How many times slower an (n x n) @ (n x n) matmul runs in ``dtype`` (bf16) than in fp32 on this CPU
+    (median of 3)."""
 
     def timed(dtype) -> float:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -68,7 +72,7 @@ def bf16_slowdown(n: int = 512) -> float:
             runs.append(time.perf_counter() - t0)
         return sorted(runs)[1]
 
-    return timed(torch.bfloat16) / max(timed(torch.float32), 1e-9)
+    return timed(dtype) / max(timed(torch.float32), 1e-9)
 
 
 def resolve_precision(requested: str, device: torch.device | str = "cpu", *, warn=None) -> str:
@@ -81,6 +85,11 @@ def resolve_precision(requested: str, device: torch.device | str = "cpu", *, war
     if requested == "bf16" and not native_bf16(device) and warn is not None:
         warn(f"warning: precision bf16 on {describe_device(device)}: bf16 matmuls run {bf16_slowdown():.0f}x slower "
              "than fp32 here; train.precision=auto (or fp32) avoids it")
+    if requested == "fp16" and torch.device(device).type == "cpu" and warn is not None:
+        slow = bf16_slowdown(dtype=torch.float16)
+        if slow > 1.5:
+            warn(f"warning: precision fp16 on {describe_device(device)}: fp16 matmuls run {slow:.0f}x slower than "
+                 "fp32 here (fp16 is meant for GPUs without bf16); train.precision=auto (or fp32) avoids it")
     return requested
 
 
