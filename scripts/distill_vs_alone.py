@@ -10,14 +10,17 @@ same student trained on its own for the same steps on the same data (the figure 
    learning rate: `alone` (MLM, random init), `kd` (distilled, random init) and `kd+init` (distilled, layers 0 and 2
    of the teacher, DistilBERT's recipe: init_from_teacher=every_other, alpha_kl 5, alpha_hard 2, alpha_cos 1, T 2).
 Every run holds out the same blocks (data.eval_fraction, the same seed) masked the same way; the script prints the
-held-out MLM loss (the hard loss, on the true tokens) of the teacher and of each student, and writes
-<out>/results.json. A finished run is not run again.
+held-out MLM loss (the hard loss, on the true tokens) of the teacher and of each student, then finetunes the teacher
+and the students on the bundled sms_spam task (--finetune-seeds seeds, 2 epochs of its training set, lr 1e-3) and
+prints their test accuracy and macro-F1 (mean +- std over seeds); everything goes to <out>/results.json. A finished
+run is not run again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -58,6 +61,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--finetune-seeds", type=int, default=3, help="finetuning seeds per model on sms_spam (0: skip)")
     p.add_argument("--data", nargs="+", type=Path, default=None, help="pretraining text (default: the bundled corpus)")
     args = p.parse_args()
     from pretune import bundled
@@ -85,9 +89,38 @@ def main() -> None:
         layers = 4 if r["run"] == "teacher" else 2
         print(f"{r['run']:<10} {layers:>6} {r['steps']:>6} {e['mlm_loss']:>14.4f} {e['mlm_ppl']:>9.2f} "
               f"{e.get('mlm_acc', float('nan')):>8.3f} {r['seconds']:>8.1f}")
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     alone, best = rows[1]["eval"]["mlm_loss"], rows[3]["eval"]["mlm_loss"]
     print(f"distilled (kd+init) - alone: {best - alone:+.4f} held-out MLM loss")
+    print(f"\nfinetuned on sms_spam ({args.finetune_seeds} seeds): test accuracy and macro-F1, mean +- std")
+    for r in rows:
+        scores = [finetune_on_spam(out, r["run"], seed, args.threads) for seed in range(args.finetune_seeds)]
+        r["sms_spam"] = scores
+        acc = [x["accuracy"] for x in scores]
+        f1 = [x["macro_f1"] for x in scores]
+        print(f"{r['run']:<10} accuracy {statistics.fmean(acc):.4f} +- {_sd(acc):.4f}   macro-F1 "
+              f"{statistics.fmean(f1):.4f} +- {_sd(f1):.4f}")
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _sd(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def finetune_on_spam(out: Path, name: str, seed: int, threads: int) -> dict:
+    """Test scores of ``out/name/model`` finetuned on the bundled sms_spam task (cached in its folder)."""
+    from pretune import bundled
+    from pretune.finetune import finetune, load_finetune_config
+
+    run = out / f"{name}-sms_spam-seed{seed}"
+    if (run / "results.json").is_file():
+        return json.loads((run / "results.json").read_text())["test"]
+    data = bundled.task("sms_spam")
+    cfg = load_finetune_config(None, [f"model.init={out / name / 'model'}", "task.name=classification",
+                                      f"data.train={data['train']}", f"data.dev={data['dev']}",
+                                      f"data.test={data['test']}", f"train.out={run}", "tune.epochs=2",
+                                      "train.batch_size=32", "train.lr=1e-3", f"train.seed={seed}",
+                                      f"train.threads={threads}", "train.tensorboard=false", "train.plot=false"])
+    return finetune(cfg, show_progress=False, log=lambda *a: None).test
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 # pretraining config -> the tokenizer kind its header asks for
 TOKENIZER = {"albert-sop": "wordpiece", "bart-denoise": "bpe", "bert-mlm": "wordpiece", "bert-nsp": "wordpiece",
+             "deberta-mlm": "wordpiece",
              "electra": "wordpiece", "gpt2-clm": "bpe", "gpt2-prefix-lm": "bpe", "llama-clm": "bpe",
              "roberta-mlm": "bpe", "t5-span": "unigram", "t5-variants": "unigram"}
 # the variants a config's header offers, each run as its own case
@@ -59,6 +60,45 @@ def test_pretraining_config_runs(name, extra, tmp_path, small_corpus, tokenizers
     result = pretrain(cfg, show_progress=False, log=lambda *_: None)
     assert result.steps == 2 and result.train_loss == result.train_loss  # ran, finite
     assert (result.model_dir / "model.safetensors").is_file()
+
+
+# the lectures' encoder families: their configs' models export to the transformers class of the family
+EXPORTS = {"bart-denoise": "BartForConditionalGeneration", "electra": "ElectraForPreTraining",
+           "albert-sop": "AlbertForPreTraining", "deberta-mlm": "DebertaV2ForMaskedLM"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS))
+def test_family_configs_export_to_transformers_with_equal_logits(name, tmp_path, small_corpus, tokenizers_by_kind):
+    import json
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from pretune.checkpoint import load
+    from pretune.interop import to_hf
+
+    config = CONFIGS / "pretrain" / f"{name}.yaml"
+    cfg = load_run_config(config, [])
+    run = [*_shrunk_model(cfg), f"tokenizer={tokenizers_by_kind[TOKENIZER[name]]}", f"data.train=[{small_corpus}]",
+           f"train.out={tmp_path / 'run'}", "train.steps=3", "train.batch_size=4", "train.warmup_steps=1",
+           "train.eval_every=0", "train.save_every=0", "train.keep_last=0", "train.tensorboard=false",
+           "train.plot=false", "data.block_size=40", "data.eval_max=4"]
+    pretrain(load_run_config(config, run), show_progress=False, log=lambda *_: None)
+    model = load(tmp_path / "run" / "model").eval()
+    to_hf(model, tmp_path / "hf")
+    arch = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0]
+    assert arch == EXPORTS[name]
+    hf = getattr(transformers, arch).from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.randint(5, model.config.vocab_size, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    extra = {"decoder_input_ids": ids[:, :7]} if model.config.arch == "encoder-decoder" else {}
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask, **extra)
+        theirs = hf(input_ids=ids, attention_mask=mask, **extra)
+    field = {"ElectraForPreTraining": "logits", "AlbertForPreTraining": "prediction_logits"}.get(arch, "logits")
+    keep = mask.bool() if not extra else torch.ones(2, 7, dtype=torch.bool)
+    torch.testing.assert_close(getattr(theirs, field)[keep], ours.logits[keep], atol=1e-4, rtol=0)
 
 
 # finetuning config -> the checkpoint families it is run with (an encoder, or the seq2seq families)
