@@ -95,6 +95,8 @@ pretune() {
     *) command pretune "$@" ;;
   esac
 }
+torchrun() { command torchrun "$@" --quiet train.steps=3 train.batch_size=8 train.warmup_steps=1 train.eval_every=0 \
+               train.eval_batches=2 train.save_every=0; }
 """
 
 
@@ -115,5 +117,6 @@ def test_readme_tour_runs(tmp_path):
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"the tour stopped:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for made in ("tok/wordpiece.json", "runs/bert-mlm/model", "runs/t5-span/model", "runs/finetune-qa/results.json",
-                 "runs/finetune-seq2seq-gpt2/results.json", "hf/sms-classifier/config.json", "predictions.jsonl"):
+                 "runs/finetune-seq2seq-gpt2/results.json", "hf/sms-classifier/config.json", "predictions.jsonl",
+                 "runs/gpt2-fsdp/model-last/model.safetensors", "hf/gpt2-fsdp/config.json"):
         assert (tmp_path / made).exists(), made
