@@ -35,6 +35,7 @@ EPILOG = """examples:
       --shots 4 --shots-from train.jsonl      few-shot classification by label-word likelihood (--cot: reasoning)
   pretune quickstart                     tokenizer -> MLM pretraining -> finetune vs scratch vs MiniLM, a table + plot
   pretune sweep configs/sweep/lora-lr.yaml --jobs 2   grid / random search x seeds: results, mean ± std table, plots
+  pretune experiment list                 the lectures' findings re-run: pretune experiment NAME -> table + verdict
   pretune data bundled --copy data       the bundled real corpus and task files (list them, or copy them to data/)
 """
 
@@ -493,6 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .sweep import add_sweep_parser
 
     add_sweep_parser(sub)
+
+    from .experiment import add_experiment_parser
+
+    add_experiment_parser(sub)
 
     s = sub.add_parser("quickstart", aliases=["demo"], help="the whole paradigm on bundled data: tokenizer -> "
                        "MLM pretraining -> finetuning vs from scratch vs MiniLM, with a table and a plot",
