@@ -4,7 +4,9 @@
 
 MODE ``step``: SIGKILL right after training step STEP; ``write``: SIGKILL in the middle of writing the checkpoint of
 step STEP (its weights are on disk, its trainer.pt half written); ``sigint``: a SIGINT during step STEP (the run
-should finish the step, checkpoint and exit 130); ``none``: run to the end."""
+should finish the step, checkpoint and exit 130); ``inf``: an overflow in one gradient element before the loss scaler
+looks at the gradients of step STEP, only in the processes listed in $INF_RANKS (e.g. "0" or "0,1"); ``none``: run to
+the end."""
 
 import os
 import signal
@@ -42,6 +44,37 @@ elif mode == "write":
         return save(obj, f, *args, **kwargs)
 
     torch.save = patched_save
+elif mode == "inf":
+    scaler_classes = [torch.amp.GradScaler]
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler_classes.append(ShardedGradScaler)
+    ranks = {int(r) for r in os.environ.get("INF_RANKS", "0").split(",")}
+    train_step = loop.Trainer.train_step
+
+    def counted(self):
+        self._inf_now = self.step + 1 == at and int(os.environ.get("RANK", "0")) in ranks
+        return train_step(self)
+
+    loop.Trainer.train_step = counted
+    for cls in scaler_classes:
+        def patched_unscale(self, optimizer, _orig=cls.unscale_):
+            trainer = next((t for t in _trainers if getattr(t, "scaler", None) is self), None)
+            if trainer is not None and trainer._inf_now:
+                p = next(p for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # this process's shard
+                grad.view(-1)[0] = float("inf")
+            return _orig(self, optimizer)
+
+        cls.unscale_ = patched_unscale
+    _trainers = []
+    init = loop.Trainer.__init__
+
+    def remembered(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _trainers.append(self)
+
+    loop.Trainer.__init__ = remembered
 elif mode != "none":
     raise SystemExit(f"unknown mode {mode!r}")
 

@@ -193,3 +193,24 @@ def test_cpu_offload_needs_fsdp_and_a_gpu():
 
     with pytest.raises(ConfigError, match="needs train.parallel=fsdp"):
         load_run_config(overrides=["train.cpu_offload=true"])
+
+
+def test_fp16_under_fsdp_skips_a_step_that_overflows_in_one_process_only(tmp_path, pretrain_args):
+    """The overflow is in one element of process 0's gradient shard: both processes must skip that step (the loss
+    scaler agrees over the processes), which leaves the same weights as an overflow in every process."""
+    runs = {}
+    for ranks in ("0", "0,1"):
+        out = tmp_path / ranks.replace(",", "-")
+        os.environ["INF_RANKS"] = ranks
+        try:
+            _run(pretrain_args(out, "train.parallel=fsdp", "train.precision=fp16", "train.steps=5"), procs=2,
+                 mode="inf", at=3)
+        finally:
+            os.environ.pop("INF_RANKS")
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        train = {r["step"]: r for r in rows if r["split"] == "train"}
+        assert train[3]["skipped"] == 1 and train[3]["loss_scale"] == train[2]["loss_scale"] / 2
+        assert train[4]["skipped"] == 0
+        runs[ranks] = _weights(out)
+    a, b = runs["0"], runs["0,1"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
