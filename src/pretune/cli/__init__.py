@@ -215,6 +215,11 @@ def cmd_pretrain(args) -> int:
         print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
         return 0
     result = pretrain(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
+    return _report_run(result, "finetunable model")
+
+
+def _report_run(result, what: str) -> int:
+    """The closing lines of a pretraining-like run (process 0 only)."""
     if _worker():
         return 0
     if result.train_loss != result.train_loss:  # no step ran: the run had already finished
@@ -222,7 +227,7 @@ def cmd_pretrain(args) -> int:
         return 0
     ev = ", ".join(f"{k} {v:.4g}" for k, v in result.eval.items())
     print(f"done: {result.steps} steps, train loss {result.train_loss:.4f}" + (f"; eval {ev}" if ev else ""))
-    print(f"  finetunable model: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
+    print(f"  {what}: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
     return 0
 
 
@@ -236,15 +241,7 @@ def cmd_distill(args) -> int:
         print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
         return 0
     result = distill(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
-    if _worker():
-        return 0
-    if result.train_loss != result.train_loss:  # no step ran: the run had already finished
-        print(f"nothing to do: {result.run_dir} already finished at step {result.steps}")
-        return 0
-    ev = ", ".join(f"{k} {v:.4g}" for k, v in result.eval.items())
-    print(f"done: {result.steps} steps, train loss {result.train_loss:.4f}" + (f"; eval {ev}" if ev else ""))
-    print(f"  student: {result.model_dir}   curves: {result.run_dir / 'loss.png'}")
-    return 0
+    return _report_run(result, "student")
 
 
 def cmd_finetune(args) -> int:

@@ -73,6 +73,11 @@ def rename(tensors: dict[str, torch.Tensor], table: Table, *, reverse: bool = Fa
     return out
 
 
+# transformers' activation names (hidden_act, ...) -> ours, and ours -> the name an export writes (most families)
+HF_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "swish",
+           "swish": "swish"}
+HF_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+
 # model-core options that only some families have, at their "off" values: a family's export_mismatch asks for these
 # unless it has the option (a GPT-2 config with a sliding window is not GPT-2)
 PLAIN_OPTIONS = {"qkv_bias": False, "qk_norm": False, "scale_embeddings": False, "sliding_window": None,

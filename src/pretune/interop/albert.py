@@ -18,6 +18,8 @@ import torch
 
 from ..config import TASK_HEADS, ConfigError, ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -31,9 +33,8 @@ from . import (
 
 MODEL_TYPES = ("albert",)
 
-ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-        "silu": "swish", "swish": "swish"}
-_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+ACTS = HF_ACTS
+_ACT_NAMES = HF_ACT_NAMES
 
 _LAYER = "encoder.albert_layer_groups.{}.albert_layers.0"  # group g holds layer g (one group: the shared layer)
 _BODY = [

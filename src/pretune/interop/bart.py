@@ -19,6 +19,8 @@ import torch
 
 from ..config import ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -31,9 +33,8 @@ from . import (
 
 MODEL_TYPES = ("bart",)
 
-ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-        "silu": "swish", "swish": "swish"}
-_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+ACTS = HF_ACTS
+_ACT_NAMES = HF_ACT_NAMES
 OFFSET = 2  # BartLearnedPositionalEmbedding: position p is row p + 2
 NORM_EPS = 1e-5  # nn.LayerNorm's default, which every BART LayerNorm uses
 

@@ -15,6 +15,8 @@ import torch
 
 from ..config import ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -28,8 +30,7 @@ from . import (
 
 MODEL_TYPES = ("bert", "roberta")
 
-ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-        "silu": "swish", "swish": "swish"}
+ACTS = HF_ACTS
 
 _BODY = [
     ("embeddings.word_embeddings.weight", "transformer.embed.weight"),
@@ -172,7 +173,7 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
     return None
 
 
-_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+_ACT_NAMES = HF_ACT_NAMES
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -22,6 +22,8 @@ import torch
 
 from ..config import ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -35,9 +37,8 @@ from . import (
 
 MODEL_TYPES = ("deberta-v2",)
 
-ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-        "silu": "swish", "swish": "swish"}
-_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+ACTS = HF_ACTS
+_ACT_NAMES = HF_ACT_NAMES
 POOLER_ACTS = {**ACTS, "tanh": "tanh"}  # pooler_hidden_act -> cls_act
 _POOLER_ACT_NAMES = {**_ACT_NAMES, "tanh": "tanh"}
 

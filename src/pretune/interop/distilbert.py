@@ -17,6 +17,8 @@ import torch
 
 from ..config import ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -30,9 +32,8 @@ from . import (
 
 MODEL_TYPES = ("distilbert",)
 
-ACTS = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "swish",
-        "swish": "swish"}
-_ACT_NAMES = {"gelu": "gelu", "relu": "relu", "gelu_tanh": "gelu_new", "swish": "silu"}
+ACTS = HF_ACTS
+_ACT_NAMES = HF_ACT_NAMES
 EPS = 1e-12  # DistilBERT's LayerNorms are built with eps=1e-12, not from the config
 
 _BODY = [

@@ -16,6 +16,8 @@ import torch
 
 from ..config import TASK_HEADS, ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -29,9 +31,8 @@ from . import (
 
 MODEL_TYPES = ("electra",)
 
-ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
-        "silu": "swish", "swish": "swish"}
-_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swish": "silu"}
+ACTS = HF_ACTS
+_ACT_NAMES = HF_ACT_NAMES
 
 _BODY = [
     ("embeddings.word_embeddings.weight", "transformer.embed.weight"),

@@ -15,6 +15,8 @@ import torch
 
 from ..config import ModelConfig
 from . import (
+    HF_ACT_NAMES,
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -28,9 +30,8 @@ from . import (
 
 MODEL_TYPES = ("gpt2",)
 
-ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-        "silu": "swish", "swish": "swish"}
-_ACT_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "swish": "silu"}
+ACTS = HF_ACTS
+_ACT_NAMES = HF_ACT_NAMES
 
 _TABLE = [
     ("wte.weight", "transformer.embed.weight"),

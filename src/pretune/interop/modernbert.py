@@ -24,6 +24,7 @@ import torch
 
 from ..config import TASK_HEADS, ModelConfig
 from . import (
+    HF_ACTS,
     PLAIN_OPTIONS,
     InteropError,
     mismatch,
@@ -38,8 +39,7 @@ from .llama import layer_types, window_fields
 
 MODEL_TYPES = ("modernbert",)
 
-ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "swish",
-        "swish": "swish"}
+ACTS = HF_ACTS
 _ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "swish": "silu"}
 _GATED = {"gelu": "geglu", "gelu_tanh": "geglu_tanh", "relu": "reglu", "swish": "swiglu"}  # hidden_activation -> ffn
 _FFN_ACT = {ffn: act for act, ffn in _GATED.items()}
