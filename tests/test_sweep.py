@@ -91,6 +91,23 @@ def test_grid_random_and_seeds_expand_to_every_combination():
                                               "seeds": [3, 4]}))] == ["seed=3", "seed=4"]
 
 
+def test_cases_vary_keys_together_and_join_every_grid_point():
+    """A case is a setting whose keys vary together (an objective with its own head and steps); each joins every
+    grid point, and names its trials like the grid does."""
+    raw = {"command": "pretrain", "metrics": "eval.loss", "grid": {"train.lr": [1e-3, 1e-2]},
+           "cases": [{"objective.name": "mlm", "train.steps": 100},
+                     {"objective": {"name": "electra"}, "model.head": "rtd", "train.steps": 89}],
+           "seeds": [0, 1]}
+    spec = load_spec(raw)
+    trials = expand(spec)
+    assert [t.name for t in trials[:4]] == ["lr=0.001,name=mlm,steps=100,seed=0", "lr=0.001,name=mlm,steps=100,seed=1",
+                                            "lr=0.001,name=electra,head=rtd,steps=89,seed=0",
+                                            "lr=0.001,name=electra,head=rtd,steps=89,seed=1"]
+    assert len(trials) == 2 * 2 * 2 and len({t.name for t in trials}) == len(trials)
+    assert trials[2].params == {"train.lr": 1e-3, "objective.name": "electra", "model.head": "rtd", "train.steps": 89}
+    assert [t.name for t in expand(load_spec(spec.to_dict()))] == [t.name for t in trials]  # sweep.yaml round trip
+
+
 @pytest.mark.parametrize("spec, culprit", [
     ({"command": "finetune", "metrics": "x", "gird": {}}, "unknown key 'gird'; did you mean 'grid'?"),
     ({"command": "fine-tune", "metrics": "x"}, "command: expected one of pretrain, finetune, prompt"),
@@ -108,6 +125,15 @@ def test_grid_random_and_seeds_expand_to_every_combination():
     ({"command": "finetune", "metrics": "x", "grid": {"train.lr": [1e-3, "fast"]}},
      "trial lr=fast,seed=0: train.lr must be a number, got 'fast'"),
     ({"command": "pretrain", "metrics": "x", "grid": {"objective.name": ["mlm", "mln"]}}, "mln"),
+    ({"command": "finetune", "metrics": "x", "cases": {"train.lr": 1e-3}}, "cases: expected a list of settings"),
+    ({"command": "finetune", "metrics": "x", "cases": [{"train.lr": 1e-3}, {}]}, "each a non-empty mapping"),
+    ({"command": "finetune", "metrics": "x", "grid": {"train.lr": [1e-3]}, "cases": [{"train.lr": 1e-2}]},
+     "train.lr is in both grid and cases[0]"),
+    ({"command": "finetune", "metrics": "x", "cases": [{"train.lr": 1e-3}, {"train": {"lr": 1e-3}}]},
+     "two cases are the same"),
+    ({"command": "finetune", "metrics": "x", "cases": [{"train.seed": 1}]}, "cases[0].train.seed: set by the sweep"),
+    ({"command": "finetune", "metrics": "x", "cases": [{"train.lrr": 1e-3}]},
+     "trial lrr=0.001,seed=0: unknown key train.lrr; did you mean 'lr'?"),
 ])
 def test_a_bad_spec_is_refused_naming_the_key(spec, culprit, tmp_path):
     with pytest.raises(ConfigError) as e:

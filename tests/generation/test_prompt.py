@@ -26,6 +26,7 @@ from pretune.generation.prompt import (
     load_chat_template,
     majority_vote,
     normalize_answer,
+    random_labels,
     select_shots,
     self_consistency,
 )
@@ -135,6 +136,18 @@ def test_balanced_interleaved_and_exact_shots():
         select_shots(POOL[1:], 6, balanced=True, labels=["ham", "spam"])
     with pytest.raises(PromptError, match=r"shot ids \[9\]"):
         select_shots(POOL, 0, ids=[9])
+
+
+def test_random_labels_are_seeded_uniform_draws_from_the_label_set():
+    """Min et al. 2022's random labels: each demonstration's label drawn uniformly, with replacement, from the set."""
+    a = random_labels(6, ["ham", "spam"], seed=3)
+    assert a == random_labels(6, ["ham", "spam"], seed=3) and set(a) <= {"ham", "spam"}
+    assert len({tuple(random_labels(6, ["ham", "spam"], seed=s)) for s in range(8)}) > 1
+    draws = random_labels(4000, ["a", "b", "c", "d"], seed=0)
+    assert all(900 < draws.count(x) < 1100 for x in "abcd")  # 1000 expected each; binomial std ~27
+    assert random_labels(0, ["a", "b"]) == []
+    with pytest.raises(PromptError, match="label set"):
+        random_labels(2, [])
 
 
 def test_prompt_prefix_and_drop_first_shots():
@@ -437,6 +450,45 @@ def test_cli_label_words_smoke(cli_files, capsys):
     margin = [r["scores"]["spam"] - r["scores"]["ham"] for r in rows]
     assert metrics["auc"] == pytest.approx(roc_auc_score([r["label"] == "spam" for r in rows], margin))
     assert "ROC AUC of log p('yes') - log p('no') for 'spam'" in text
+
+
+def test_cli_random_labels_keep_the_examples_and_show_seeded_random_words(cli_files, capsys):
+    d = cli_files
+    base = ["prompt", str(d / "model"), "--data", str(d / "test.jsonl"), "--template", r"Message: {text}\nSpam?",
+            "--labels", "ham=no,spam=yes", "--shots", "3", "--shots-from", str(d / "train.jsonl"), "--balanced",
+            "--seed", "1", "--show-prompt", "--quiet", "--overwrite"]
+    assert main([*base, "--json", str(d / "gold.json")]) == 0
+    gold = json.loads((d / "gold.json").read_text())["demonstrations"]
+    assert all(x["shown"] == x["label"] for x in gold) and len(gold) == 3
+    capsys.readouterr()
+    assert main([*base, "--random-labels", "--label-seed", "5", "--json", str(d / "random.json")]) == 0
+    text = capsys.readouterr().out
+    data = json.loads((d / "random.json").read_text())
+    demos = data["demonstrations"]
+    assert [x["row"] for x in demos] == [x["row"] for x in gold]  # the same examples in the same order
+    assert [x["label"] for x in demos] == [x["label"] for x in gold]
+    assert [x["shown"] for x in demos] == random_labels(3, ["ham", "spam"], seed=5)
+    assert data["settings"]["random_labels"] and data["settings"]["label_seed"] == 5
+    right = sum(x["shown"] == x["label"] for x in demos)
+    assert f"random labels (label seed 5): shown {', '.join(x['shown'] for x in demos)}" in text
+    assert f"({right} of 3 right by chance)" in text
+    # the prompt shows the drawn words: each demonstration ends in the word of its shown label
+    prompt = text.split("--- end of prompt ---")[0]
+    words = {"ham": "no", "spam": "yes"}
+    assert [b.rsplit(" ", 1)[-1] for b in prompt.split("\n\n")[:3]] == [words[x["shown"]] for x in demos]
+    # without --label-seed the labels are drawn with --seed
+    assert main([*base, "--random-labels", "--json", str(d / "random1.json")]) == 0
+    shown = [x["shown"] for x in json.loads((d / "random1.json").read_text())["demonstrations"]]
+    assert shown == random_labels(3, ["ham", "spam"], seed=1)
+    capsys.readouterr()
+    for extra, match in ((["--random-labels", "--shots", "0"], "needs label-word mode"),
+                         (["--label-seed", "2"], "--label-seed seeds --random-labels")):
+        assert main([*base, *extra]) == 2
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["prompt", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--random-labels" in help_text and "--label-seed" in help_text
 
 
 def test_cli_errors_and_help(cli_files, capsys):

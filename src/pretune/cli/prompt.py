@@ -24,6 +24,7 @@ from ..generation.prompt import (
     PromptTemplate,
     Verbalizer,
     load_chat_template,
+    random_labels,
     select_shots,
 )
 
@@ -124,6 +125,12 @@ def add_prompt_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--shot-ids", type=_int_list, metavar="I,J,...",
                    help="exact demonstrations: 0-based rows of --shots-from, in this order (replaces --shots, "
                    "--seed's draw, --balanced and --order)")
+    g.add_argument("--random-labels", action="store_true",
+                   help="demonstrations with random labels (Min et al. 2022): each shot keeps its input, its label "
+                   "word is that of a label drawn uniformly from the label set with --label-seed (some are right by "
+                   "chance); the labels shown are reported")
+    g.add_argument("--label-seed", type=int, metavar="N", help="seed of --random-labels (default: --seed); another "
+                   "value gives the same examples with other random labels")
 
     g = s.add_argument_group("chain-of-thought (--cot)")
     g.add_argument("--cot", action="store_true", help="generate a reasoning path and extract its answer instead "
@@ -221,6 +228,11 @@ def cmd_prompt(args) -> int:
         raise PromptError(f"{k} shots need --shots-from FILE (a labelled file, e.g. the training split)")
     if args.shot_ids is not None and (args.order or args.balanced):
         raise PromptError("--shot-ids fixes the examples and their order; drop --order/--balanced")
+    if args.random_labels and (args.cot or not k):
+        raise PromptError("--random-labels replaces the label words of the demonstrations: it needs label-word mode "
+                          "(no --cot) and shots (--shots K or --shot-ids)")
+    if args.label_seed is not None and not args.random_labels:
+        raise PromptError("--label-seed seeds --random-labels; add --random-labels or drop it")
     shots: list[Record] = []
     if k:
         pool = _records(args.shots_from, None, "--shots-from")
@@ -228,6 +240,11 @@ def cmd_prompt(args) -> int:
                              labels=None if verbalizer is None else verbalizer.labels, balanced=args.balanced,
                              order=args.order or "shuffle", order_seed=args.order_seed, ids=args.shot_ids)
     targets = [s.data.get(args.solution_field) if args.cot else verbalizer.word_of(s, args.label_field) for s in shots]
+    shown = None  # --random-labels: the label each demonstration shows, in prompt order
+    if args.random_labels:
+        shown = random_labels(len(shots), verbalizer.labels,
+                              seed=args.seed if args.label_seed is None else args.label_seed)
+        targets = [verbalizer.words[label] for label in shown]
     if args.cot and (missing := [s.where for s, t in zip(shots, targets) if not isinstance(t, str)]):
         raise PromptError(f"{missing[0]}: a --cot shot needs its worked solution in the field "
                           f"{args.solution_field!r} (--solution-field)")
@@ -262,13 +279,19 @@ def cmd_prompt(args) -> int:
                 length_norm=args.length_norm, content_free=_content_free(args.calibrate), batch_size=args.batch_size,
                 strategy=args.strategy, **common)
     bar.close()
-    _report(args, metrics, len(records), len(shots), verbalizer)
+    demos = [{"row": s.row} for s in shots]  # the demonstrations in prompt order (label words: gold and shown)
+    if not args.cot:
+        for d, s, label in zip(demos, shots, shown or [None] * len(shots)):
+            d["label"] = verbalizer.label_of(s, args.label_field)
+            d["shown"] = d["label"] if label is None else label
+    _report(args, metrics, len(records), demos, verbalizer)
     if args.out:
         _write_jsonl(rows, args.out)
         print(f"wrote {len(rows)} predictions to {args.out}")
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "func"}
-        Path(args.json).write_text(json.dumps({"metrics": metrics, "settings": settings}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"metrics": metrics, "settings": settings, "demonstrations": demos},
+                                              indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -293,14 +316,19 @@ def _shown_prompt(prompt: FewShotPrompt, rec: Record, chat, system) -> str:
     return f"--- prompt of {rec.row} ---\n{text}\n--- end of prompt ---"
 
 
-def _report(args, metrics: dict, n: int, n_shots: int, verbalizer) -> None:
+def _report(args, metrics: dict, n: int, demos: list[dict], verbalizer) -> None:
     mode = "chain-of-thought" + (f", self-consistency over {args.self_consistency} paths"
                                  if args.self_consistency > 1 else ", greedy") if args.cot else "label words"
     order = "rows " + ",".join(map(str, args.shot_ids)) if args.shot_ids is not None else \
         f"seed {args.seed}, order {args.order or 'shuffle'}" + (
             f" (order seed {args.order_seed})" if args.order_seed is not None else "") + (
             ", balanced" if args.balanced else "")
-    print(f"{Path(args.data).name}: {n} records, {mode}, {n_shots} shots" + (f" ({order})" if n_shots else ""))
+    print(f"{Path(args.data).name}: {n} records, {mode}, {len(demos)} shots" + (f" ({order})" if demos else ""))
+    if args.random_labels:
+        seed = args.seed if args.label_seed is None else args.label_seed
+        print(f"  random labels (label seed {seed}): shown " + ", ".join(d["shown"] for d in demos) + "; gold "
+              + ", ".join(d["label"] for d in demos) + f" ({sum(d['shown'] == d['label'] for d in demos)} of "
+              f"{len(demos)} right by chance)")
     if verbalizer is not None:
         print("  label words: " + ", ".join(f"{k} -> {v!r}" for k, v in verbalizer.words.items()))
         runs = [("", metrics)]

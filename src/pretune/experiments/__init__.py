@@ -18,7 +18,17 @@ Adding one: a module with ``EXPERIMENT = MyExperiment()`` and one line in ``EXPE
 
 from __future__ import annotations
 
-from . import peft_vs_data, positions, pretrained_vs_scratch
+from . import (
+    few_shot,
+    ffn_variants,
+    masking,
+    mlm_vs_electra,
+    peft_vs_data,
+    positions,
+    pretrained_vs_scratch,
+    t5_objectives,
+    warmup_batch,
+)
 from .base import CONFIRMED, NOT_CONFIRMED, SIZES, Claim, Experiment, Finding, Results, Sweep
 from .runner import ExperimentResult, get_experiment, run_experiment
 
@@ -26,6 +36,12 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     pretrained_vs_scratch.EXPERIMENT,
     positions.EXPERIMENT,
     peft_vs_data.EXPERIMENT,
+    mlm_vs_electra.EXPERIMENT,
+    t5_objectives.EXPERIMENT,
+    ffn_variants.EXPERIMENT,
+    masking.EXPERIMENT,
+    few_shot.EXPERIMENT,
+    warmup_batch.EXPERIMENT,
 )}
 
 __all__ = ["EXPERIMENTS", "Experiment", "Claim", "Finding", "Results", "Sweep", "ExperimentResult", "run_experiment",

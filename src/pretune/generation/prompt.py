@@ -37,7 +37,7 @@ from ..data.records import Record, get_field
 
 __all__ = ["ORDERS", "ChatTemplate", "FewShotPrompt", "PromptError", "PromptTemplate", "Verbalizer", "Vote",
            "apply_chat_template", "extract_answer", "load_chat_template", "majority_vote", "normalize_answer",
-           "select_shots", "self_consistency", "SelfConsistency"]
+           "random_labels", "select_shots", "self_consistency", "SelfConsistency"]
 
 Order = Literal["shuffle", "file", "interleave"]
 ORDERS: tuple[str, ...] = ("shuffle", "file", "interleave")
@@ -273,6 +273,22 @@ def select_shots(records: Sequence[Record], k: int, *, seed: int = 0, label_fiel
         queues = [[i for i in chosen if label(i) == lab] for lab in label_order]
         chosen = [q[j] for j in range(max(map(len, queues), default=0)) for q in queues if j < len(q)]
     return [records[i] for i in chosen]
+
+
+def random_labels(k: int, labels: Sequence[str], *, seed: int = 0) -> list[str]:
+    """``k`` labels drawn uniformly at random, with replacement, from ``labels``: the labels of random-label
+    demonstrations (Min et al. 2022, "Rethinking the Role of Demonstrations", §4.1: each demonstration keeps its
+    input and gets a label sampled uniformly from the label set, so some are right by chance).
+
+    Args:
+        k: how many (one per demonstration, in prompt order).
+        labels: the label set (e.g. ``verbalizer.labels``).
+        seed: ``random.Random(seed)``; the same seed draws the same labels.
+    """
+    if not labels:
+        raise PromptError("random labels need a label set; it is empty")
+    rng = random.Random(seed)
+    return [str(rng.choice(list(labels))) for _ in range(k)]
 
 
 @dataclass

@@ -18,6 +18,9 @@ The spec (YAML, or the same as a dict)::
     grid:                              # cartesian product over these keys
       train.lr: [1e-4, 1e-3]
       peft.r: [4, 8]
+    cases:                             # optional: settings whose keys vary together, each joins every grid point
+      - {tune.epochs: 2, tune.evals_per_epoch: 1}
+      - {tune.epochs: 4, tune.evals_per_epoch: 2}
     random:                            # optional random search; each draw joins every grid point
       n: 8
       seed: 0

@@ -1,8 +1,8 @@
 """A sweep spec (YAML or a dict) -> the trials it asks for, each checked before any runs.
 
 A trial is one ordinary ``pretune pretrain|finetune|prompt`` run: the base settings, one point of the grid, one
-random draw, one seed. Its settings are a config layer (pretrain, finetune: merged over the base config file into
-``<out>/configs/<trial>.yaml``) or the prompt command's options (``--key value``).
+case, one random draw, one seed. Its settings are a config layer (pretrain, finetune: merged over the base config
+file into ``<out>/configs/<trial>.yaml``) or the prompt command's options (``--key value``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from ..config import ConfigError, _did_you_mean
 
 COMMANDS = ("pretrain", "finetune", "prompt")
-SPEC_KEYS = ("command", "base", "grid", "random", "seeds", "metrics", "out")
+SPEC_KEYS = ("command", "base", "grid", "cases", "random", "seeds", "metrics", "out")
 DISTRIBUTIONS = {  # name -> what its arguments are (for messages)
     "log_uniform": "[low, high], both > 0: uniform in log space (learning rates)",
     "uniform": "[low, high]",
@@ -45,6 +45,8 @@ class SweepSpec:
     config: str = ""  # the base config file (pretrain, finetune); empty: the command's defaults
     base: dict = field(default_factory=dict)  # dotted key -> value, the same in every trial
     grid: dict = field(default_factory=dict)  # dotted key -> list of values (cartesian product)
+    cases: list = field(default_factory=list)  # settings that vary together: each a dict (dotted key -> value),
+    # combined with every grid point (an objective with its own steps and head); empty: none
     random_n: int = 0  # random-search draws (each combined with every grid point)
     random_seed: int = 0  # seed of the draws
     space: dict = field(default_factory=dict)  # dotted key -> (distribution, [arguments])
@@ -56,6 +58,8 @@ class SweepSpec:
         base = ({"config": self.config} if self.config else {}) | self.base
         out = {"command": self.command, "base": base, "grid": self.grid, "seeds": self.seeds,
                "metrics": self.metrics, "out": self.out}
+        if self.cases:
+            out["cases"] = [dict(c) for c in self.cases]
         if self.random_n:
             out["random"] = {"n": self.random_n, "seed": self.random_seed,
                              "space": {k: {d: a} for k, (d, a) in self.space.items()}}
@@ -68,7 +72,7 @@ class Trial:
 
     name: str  # its folder under <out>/trials, e.g. "lr=0.001,r=8,seed=0"
     setting: str  # the varied parameters without the seed, e.g. "lr=0.001,r=8" ("base" when nothing varies)
-    params: dict  # dotted key -> value of the varied parameters (grid and random), not the seed
+    params: dict  # dotted key -> value of the varied parameters (grid, case and random), not the seed
     seed: int
 
 
@@ -192,6 +196,17 @@ def load_spec(spec: str | Path | dict, *, out: str | None = None) -> SweepSpec:
         if not isinstance(values, list) or not values:
             raise bad(f"grid.{k}", "a non-empty list of values", values)
 
+    cases = data.get("cases") or []
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and c for c in cases):
+        raise bad("cases", "a list of settings that vary together, each a non-empty mapping of config keys to values",
+                  cases)
+    cases = [_flatten(c) for c in cases]
+    for i, case in enumerate(cases):
+        if clash := sorted(set(case) & set(grid)):
+            raise ConfigError(f"{source}: {clash[0]} is in both grid and cases[{i}]; give it in one of them")
+    if len({json.dumps(c, sort_keys=True, default=str) for c in cases}) != len(cases):
+        raise bad("cases", "distinct settings (two cases are the same)", cases)
+
     random_n, random_seed, space = 0, 0, {}
     if data.get("random") is not None:
         rnd = data["random"]
@@ -212,6 +227,8 @@ def load_spec(spec: str | Path | dict, *, out: str | None = None) -> SweepSpec:
             space[k] = _distribution(f"{source}: random.space.{k}", dist)
         if clash := sorted(set(space) & set(grid)):
             raise ConfigError(f"{source}: {clash[0]} is in both grid and random.space; give it in one of them")
+        if clash := sorted(set(space) & {k for c in cases for k in c}):
+            raise ConfigError(f"{source}: {clash[0]} is in both cases and random.space; give it in one of them")
 
     seeds = data.get("seeds", [0])
     seeds = [seeds] if isinstance(seeds, int) and not isinstance(seeds, bool) else seeds
@@ -229,7 +246,7 @@ def load_spec(spec: str | Path | dict, *, out: str | None = None) -> SweepSpec:
     if not isinstance(out_dir, str) or not out_dir:
         raise bad("out", "a folder path", out_dir)
 
-    spec = SweepSpec(command=command, metrics=metrics, out=out_dir, config=config, base=base, grid=grid,
+    spec = SweepSpec(command=command, metrics=metrics, out=out_dir, config=config, base=base, grid=grid, cases=cases,
                      random_n=random_n, random_seed=random_seed, space=space, seeds=list(seeds), source=source)
     _check_reserved(spec)
     return spec
@@ -258,7 +275,8 @@ def _distribution(where: str, dist: Any) -> tuple[str, list]:
 
 def _check_reserved(spec: SweepSpec) -> None:
     reserved = SET_BY_SWEEP[spec.command]
-    for where, keys in (("base", spec.base), ("grid", spec.grid), ("random.space", spec.space)):
+    for where, keys in (("base", spec.base), ("grid", spec.grid), ("random.space", spec.space),
+                        *((f"cases[{i}]", c) for i, c in enumerate(spec.cases))):
         for key in keys:
             norm = key.replace("-", "_")
             if norm in reserved:
@@ -319,24 +337,24 @@ def _digest(params: dict) -> str:
 
 
 def expand(spec: SweepSpec) -> list[Trial]:
-    """Every trial of the spec, in order: grid points (the cartesian product, in the spec's key order) x random
-    draws x seeds. Settings that come out equal (a repeated random draw) run once."""
+    """Every trial of the spec, in order: grid points (the cartesian product, in the spec's key order) x cases x
+    random draws x seeds. Settings that come out equal (a repeated random draw) run once."""
     grid_keys = list(spec.grid)
     points = [dict(zip(grid_keys, combo)) for combo in itertools.product(*(spec.grid[k] for k in grid_keys))]
     random_points = draws(spec) or [{}]
-    short = _short_names(grid_keys + list(spec.space))
+    case_keys = list(dict.fromkeys(k for c in spec.cases for k in c))
+    short = _short_names(grid_keys + case_keys + list(spec.space))
     trials, seen = [], set()
-    for point in points:
-        for drawn in random_points:
-            params = {**point, **drawn}
-            setting = ",".join(f"{short[k]}={_text(v)}" for k, v in params.items()) or "base"
-            key = json.dumps(params, sort_keys=True, default=str)
-            if key in seen:
-                continue
-            seen.add(key)
-            for seed in spec.seeds:
-                trials.append(Trial(name=f"{setting},seed={seed}" if params else f"seed={seed}", setting=setting,
-                                    params=params, seed=seed))
+    for point, case, drawn in itertools.product(points, spec.cases or [{}], random_points):
+        params = {**point, **case, **drawn}
+        setting = ",".join(f"{short[k]}={_text(v)}" for k, v in params.items()) or "base"
+        key = json.dumps(params, sort_keys=True, default=str)
+        if key in seen:
+            continue
+        seen.add(key)
+        for seed in spec.seeds:
+            trials.append(Trial(name=f"{setting},seed={seed}" if params else f"seed={seed}", setting=setting,
+                                params=params, seed=seed))
     names = [t.name for t in trials]
     if len(set(names)) != len(names):  # two values with the same text (long strings cut): tell them apart
         trials = [Trial(name=f"{t.name}-{_digest(t.params)}", setting=f"{t.setting}-{_digest(t.params)}",
