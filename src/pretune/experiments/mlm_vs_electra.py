@@ -82,7 +82,7 @@ class MlmVsElectra(Experiment):
     title = "Masked LM vs ELECTRA at equal compute"
     claim = ("At equal pretraining compute, an encoder pretrained with ELECTRA's replaced-token detection finetunes "
              "to better downstream scores than the same encoder pretrained with masked LM.")
-    source = ("lecture 002 (Friends of Bert: ELECTRA; /work/shared/seeds/002_e88de835563f8753.txt); Clark et al. 2020, "
+    source = ("lecture 002 (Friends of Bert: ELECTRA; seeds/002_e88de835563f8753.txt); Clark et al. 2020, "
               "ELECTRA: Pre-training Text Encoders as Discriminators Rather Than Generators, Table 1 and Figure 3")
     claims = (
         Claim("electra-beats-mlm-classification", "At equal pretraining FLOPs, ELECTRA's discriminator scores a higher "

@@ -66,7 +66,7 @@ class T5Objectives(Experiment):
     title = "T5's pretraining objectives"
     claim = ("Pretrained the same number of steps, the denoising objectives (span corruption, BERT-style) transfer "
              "better downstream than deshuffling and prefix language modelling.")
-    source = ("lecture 004 (T5 Pretraining; /work/shared/seeds/004_cf7c82b07318fd2a.txt); Raffel et al. 2020, "
+    source = ("lecture 004 (T5 Pretraining; seeds/004_cf7c82b07318fd2a.txt); Raffel et al. 2020, "
               "Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer, Tables 4 and 5")
     claims = (
         Claim("denoising-beats-deshuffling", "Span corruption and BERT-style each reach a lower test perplexity on the "
@@ -133,7 +133,7 @@ class T5Objectives(Experiment):
     def _pretrain_base(self, size: str, inputs: dict, objective: str | None = None) -> dict:
         r = RECIPES[size]
         steps = r["steps"]
-        base = {"model": {"preset": "t5-small", **r["model"], "dropout": 0.0},
+        base = {"model": {"preset": "t5-small", **r["model"], "dropout": 0.0, "attn_dropout": 0.0},
                 "tokenizer": inputs["tokenizer"],
                 "data": {"train": list(inputs["files"]), "store": inputs["store"], "eval_max": 32},
                 # T5: a constant rate for the warmup steps, then its inverse square root (Raffel et al. 2020 §3.1.2)
