@@ -390,26 +390,71 @@ def test_kv_cache_writes_in_place_and_reorders():
     cache = KVCache(capacity=8)
     lc = cache.layer(0)
     k = torch.randn(2, 3, 5, 4)
-    full_k, _ = lc.append(k, k + 1)
-    buf = lc._k
-    assert buf.shape == (2, 3, 8, 4) and cache.length == 5 and torch.equal(full_k, k)
+    full_k, full_v = lc.append(k, k + 1)
+    buf = lc._kv  # keys and values in one token-major buffer (B, capacity, 2 * Hkv, Dh)
+    assert buf.shape == (2, 8, 6, 4) and cache.length == 5 and torch.equal(full_k, k) and torch.equal(full_v, k + 1)
     step = torch.randn(2, 3, 1, 4)
     full_k, full_v = lc.append(step, step)
-    assert lc._k is buf and full_k.shape == (2, 3, 6, 4)  # no reallocation within the capacity
-    assert torch.equal(full_k[:, :, 5:], step) and torch.equal(lc.self_k, full_k)
-    for _ in range(3):  # past the capacity: the buffer doubles, the contents stay
+    assert lc._kv is buf and full_k.shape == (2, 3, 6, 4)  # no reallocation within the capacity
+    assert torch.equal(full_k[:, :, 5:], step) and torch.equal(lc.self_k, full_k) and torch.equal(lc.self_v, full_v)
+    # token-major keys and values (a slice of the fused q/k/v heads) go in with one write
+    tokens = torch.randn(2, 1, 6, 4)  # (B, T, 2 * Hkv, Dh): keys in heads 0-2, values in 3-5
+    full_k, full_v = lc.append_tokens(tokens)
+    assert torch.equal(full_k[:, :, 6], tokens[:, 0, :3]) and torch.equal(full_v[:, :, 6], tokens[:, 0, 3:])
+    for _ in range(2):  # past the capacity: the buffer doubles, the contents stay
         lc.append(step, step)
-    assert lc._k.shape[2] == 16 and cache.length == 9 and torch.equal(lc.self_k[:, :, :5], k)
-    before = lc.self_k.clone()
+    assert lc._kv.shape[1] == 16 and cache.length == 9 and torch.equal(lc.self_k[:, :, :5], k)
+    assert torch.equal(lc.self_v[:, :, :5], k + 1)
+    before_k, before_v = lc.self_k.clone(), lc.self_v.clone()
     cache.reorder(torch.tensor([1, 1]))  # same batch size: in place
-    assert torch.equal(lc.self_k, before[[1, 1]])
+    assert torch.equal(lc.self_k, before_k[[1, 1]]) and torch.equal(lc.self_v, before_v[[1, 1]])
     cache.reorder(torch.tensor([0, 1, 0]))  # another batch size
-    assert lc.self_k.shape == (3, 3, 9, 4) and torch.equal(lc.self_k, before[[1, 1, 1]])
+    assert lc.self_k.shape == (3, 3, 9, 4) and torch.equal(lc.self_k, before_k[[1, 1, 1]])
     grow = KVCache().layer(0)  # no capacity given: exactly what the first append needs, then doubling
     grow.append(k, k)
-    assert grow._k.shape[2] == 5
+    assert grow._kv.shape[1] == 5
     grow.append(step, step)
-    assert grow._k.shape[2] == 10
+    assert grow._kv.shape[1] == 10
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decoding_takes_the_lean_path_with_the_general_paths_logits(pair, family, monkeypatch):
+    """Decoding with a growing cache and no gradients projects q/k/v as token-major heads, rotates them in place and
+    writes keys and values in one copy (Attention._decode_qkv); its step-by-step logits of a left-padded batch equal
+    the general path's (RoPE as a matmul rounds differently, so within 1e-5) and the general path still runs
+    elsewhere (training, no cache)."""
+    from pretune.model.attention import Attention
+
+    ours = pair[family][1]
+    ids, mask = _batch(family)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    lean = Attention._decode_qkv
+    taken = []
+
+    def spy(self, *args):
+        out = lean(self, *args)
+        taken.append(out is not None)
+        return out
+
+    def steps(decode_qkv):
+        monkeypatch.setattr(Attention, "_decode_qkv", decode_qkv)
+        cache, out = KVCache(capacity=10), []
+        with torch.no_grad():
+            out.append(ours(ids, mask, position_ids=pos, past_key_values=cache).logits)
+            for t in range(3):  # one new token per row per step
+                new = ids[:, t:t + 1]
+                full = torch.cat([mask, torch.ones(3, t + 1, dtype=mask.dtype)], dim=1)
+                out.append(ours(new, full, position_ids=pos[:, -1:] + t + 1, past_key_values=cache).logits)
+        return out
+
+    got, want = steps(spy), steps(lambda *args: None)
+    assert taken and all(taken)  # every layer of every step
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    taken.clear()
+    monkeypatch.setattr(Attention, "_decode_qkv", spy)
+    ours(ids, mask)  # gradients on (a training forward): the general path
+    assert taken == [False] * len(taken) and taken
 
 
 def test_static_cache_writes_at_its_index_and_attends_over_its_capacity():

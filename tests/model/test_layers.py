@@ -154,3 +154,22 @@ def test_fused_frozen_linears_under_autocast_equal_separate_layers_and_cache_the
             layers[0].weight.mul_(2.0)
         assert torch.equal(fused(x, layers)[0], layers[0](x))
     assert fused(x, layers)[0].dtype == torch.float32  # outside autocast: the fp32 stack again
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 17, 64)], ids=["one-token", "batch"])
+@pytest.mark.parametrize("weight", [True, False])
+def test_rms_norm_kernel_equals_the_composite_bitwise_forward_and_backward(shape, weight):
+    """RMSNorm runs torch's fused kernel where torch has it (layers.rms_norm); it must give F.rms_norm's values and
+    gradients exactly, so that models and parity are unchanged."""
+    from pretune.model.layers import _rms_norm_composite, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g, requires_grad=True)
+    w = torch.randn(shape[-1], generator=g, requires_grad=True) if weight else None
+    grad = torch.randn(shape, generator=g)
+    outs = []
+    for fn in (rms_norm, _rms_norm_composite):
+        y = fn(x, (shape[-1],), w, 1e-6)
+        outs.append((y, *torch.autograd.grad(y, [t for t in (x, w) if t is not None], grad)))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -184,3 +184,25 @@ def test_learned_positions_use_offset():
     torch.testing.assert_close(lp.add(x, torch.arange(3)), lp.weight[2:5][None])
     with pytest.raises(ValueError, match="position 64"):
         lp.add(x, torch.tensor([60, 61, 62]))
+
+
+@pytest.mark.parametrize("rows, T", [(1, 1), (3, 1), (2, 7), (2, 300)], ids=["one", "batch", "prompt", "long"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-positions", "per-row-positions"])
+def test_rotating_fused_heads_in_place_equals_rotating_q_and_k(rows, T, per_row):
+    """``rotation(...).heads`` (decoding's lean path: RoPE on the q and k heads of the fused projection, token-major,
+    in place; a (d, d) matmul per position for few tokens, elementwise for many) equals rotating q and k apart, and
+    leaves the value heads alone."""
+    rope = RotaryPositions(cfg(dim=32, n_heads=4, n_kv_heads=2), causal=True)
+    H, Hkv, d = 4, 2, 8
+    g = torch.Generator().manual_seed(T)
+    y = torch.randn(rows, T, H + 2 * Hkv, d, generator=g)
+    pos = (torch.randint(0, 50, (rows, 1), generator=g) + torch.arange(T)) if per_row else torch.arange(5, 5 + T)
+    rotate = rope.rotation(pos)
+    q, k = rotate(y[:, :, :H].transpose(1, 2), y[:, :, H:H + Hkv].transpose(1, 2), pos)
+    v = y[:, :, H + Hkv:].clone()
+    with torch.no_grad():
+        out = rotate.heads(y, H + Hkv)
+    assert out is y  # in place
+    torch.testing.assert_close(y[:, :, :H].transpose(1, 2), q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(y[:, :, H:H + Hkv].transpose(1, 2), k, rtol=0, atol=1e-6)
+    assert torch.equal(y[:, :, H + Hkv:], v)

@@ -11,6 +11,22 @@ from torch import nn
 from ..config import ModelConfig
 
 
+def _rms_norm_composite(x, shape, weight, eps):
+    return F.rms_norm(x, shape, weight, eps)
+
+
+def _rms_norm_fused(x, shape, weight, eps):
+    if torch.compiler.is_compiling():  # dynamo does not trace the kernel; inductor fuses the composite anyway
+        return F.rms_norm(x, shape, weight, eps)
+    return torch._fused_rms_norm(x, list(shape), weight, eps)[0]
+
+
+# torch's fused RMSNorm kernel (forward and backward), where this torch has it: F.rms_norm is a composite of ~6
+# kernels on the CPU (2.13). Bitwise the same results (tests/model/test_layers.py); on one decoding token of
+# SmolLM2 9 vs 36 us per call (1 thread), on an 8 x 256 x 512 batch's forward + backward ~1.4x faster.
+rms_norm = _rms_norm_fused if hasattr(torch, "_fused_rms_norm") else _rms_norm_composite
+
+
 class RMSNorm(nn.Module):
     """LayerNorm without mean-centring or bias: x / rms(x) * g (T5, Llama). Statistics in fp32."""
 
@@ -21,9 +37,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight.shape, self.weight, self.eps)
         # low precision: normalise in fp32, scale in the weight's dtype (as T5/Llama do)
-        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        y = rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return self.weight.to(x.dtype) * y
 
 
@@ -38,8 +54,8 @@ class RMSNormPlusOne(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gain = 1.0 + self.weight.float()  # (dim,)
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, gain, self.eps)
-        return F.rms_norm(x.float(), self.weight.shape, gain, self.eps).to(x.dtype)
+            return rms_norm(x, self.weight.shape, gain, self.eps)
+        return rms_norm(x.float(), self.weight.shape, gain, self.eps).to(x.dtype)
 
 
 class WrappedLinear(nn.Module):
@@ -83,6 +99,14 @@ class FusedLinears:
         w, b = self.weights(bases, x.device.type)
         ys = F.linear(x, w, b).split([base.out_features for base in bases], dim=-1)
         return [y if p is base else p.adjust(x, y) for p, base, y in zip(layers, bases, ys)]
+
+    def joined(self, x: torch.Tensor, layers) -> torch.Tensor | None:
+        """The layers' outputs side by side, (..., sum of out_features), from one matmul; None when a layer is
+        wrapped (a LoRA or (IA)3 adjusts its own slice: run ``__call__``) or the biases differ."""
+        if any(type(p) is not nn.Linear for p in layers) or len({p.bias is None for p in layers}) > 1:
+            return None
+        w, b = self.weights(layers, x.device.type)
+        return F.linear(x, w, b)
 
     def weights(self, bases, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers' weights (and biases) stacked along the output dimension. Frozen ones under autocast are cached

@@ -136,12 +136,41 @@ class RotaryPositions(NoPosition):
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d)
         by_dtype = {cos.dtype: (cos, sin)}
 
-        def rotate(q, k, _positions=None):
-            tables = by_dtype.get(q.dtype)
-            if tables is None:  # e.g. bf16 under autocast: cast once, not per layer
-                tables = by_dtype[q.dtype] = (cos.to(q.dtype), sin.to(q.dtype))
-            return _rope(q, *tables), _rope(k, *tables)
+        def tables(dtype):
+            found = by_dtype.get(dtype)
+            if found is None:  # e.g. bf16 under autocast: cast once, not per layer
+                found = by_dtype[dtype] = (cos.to(dtype), sin.to(dtype))
+            return found
 
+        def rotate(q, k, _positions=None):
+            c, s = tables(q.dtype)
+            return _rope(q, c, s), _rope(k, c, s)
+
+        per_token = {}  # dtype -> the rotation of each position as a (d, d) matrix, (B|1, T, 1, d, d)
+
+        def heads(y: torch.Tensor, n: int) -> torch.Tensor:
+            """Rotate the first ``n`` heads of token-major heads y (B, T, heads, d) in place (the q and k heads of the
+            fused q/k/v projection; the value heads after them are kept) and return y. For a few tokens (decoding)
+            the rotation is one batched matmul with each position's (d, d) rotation matrix (built once per forward:
+            cos on the diagonal, +-sin at the pair's other coordinate), instead of the dozen elementwise calls of
+            :func:`_rope` for q and k — the same products and sums, so the same values up to rounding."""
+            qk = y.narrow(2, 0, n)
+            T, d = y.shape[1], y.shape[3]
+            if y.shape[0] * T * d * d <= 1 << 20:
+                mats = per_token.get(y.dtype)
+                if mats is None:
+                    c, s = tables(y.dtype)  # (T, d) or (B, 1, T, d)
+                    c, s = (c[:, 0], s[:, 0]) if c.dim() == 4 else (c[None], s[None])  # (B|1, T, d)
+                    mats = torch.diag_embed(c) + _half_turn(d, y.dtype, y.device) * s[..., None, :]  # (B|1, T, d, d)
+                    mats = per_token[y.dtype] = mats[:, :, None]
+                qk.copy_(torch.matmul(qk.unsqueeze(-2), mats).squeeze(-2))
+            else:
+                c, s = tables(y.dtype)
+                c, s = (c[:, 0, :, None], s[:, 0, :, None]) if c.dim() == 4 else (c[:, None], s[:, None])
+                qk.copy_(_rope(qk, c, s))
+            return y
+
+        rotate.heads = heads
         return rotate
 
 
@@ -180,6 +209,23 @@ ROPE_SCALINGS = {
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+_HALF_TURNS: dict[tuple, torch.Tensor] = {}
+
+
+def _half_turn(d: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(d, d) R with x @ R = cat(-x2, x1) (the sin term of :func:`_rope` as a matrix): -1 at (j + d/2, j), +1 at
+    (j, j + d/2). Cached per size, dtype and device."""
+    key = (d, dtype, str(device), torch.is_inference_mode_enabled())
+    r = _HALF_TURNS.get(key)
+    if r is None:
+        half = torch.arange(d // 2, device=device)
+        r = torch.zeros(d, d, dtype=dtype, device=device)
+        r[half + d // 2, half] = -1.0
+        r[half, half + d // 2] = 1.0
+        _HALF_TURNS[key] = r
+    return r
 
 
 class RelativeBias(NoPosition):
