@@ -23,6 +23,10 @@ from .layers import Dropout, FeedForward, make_norm
 from .position import POSITIONS
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Block(nn.Module):
     """Self-attention [+ cross-attention] + FFN, each a residual branch with a norm placed
     before the branch (pre-norm: x + f(norm(x))) or after the sum (post-norm: norm(x + f(x))); sandwich: before
@@ -51,6 +55,8 @@ class Block(nn.Module):
         self.cross_drop = Dropout(cfg.dropout) if cross else None
 
     def _residual(self, x, norm, fn, drop, post=None):
+        if type(drop) is Dropout and (drop.p == 0.0 or not drop.training):  # a no-op: skip the module call
+            drop = _identity
         if self.pre_norm:
             if post is not None:  # sandwich
                 return x + drop(post(fn(norm(x))))
