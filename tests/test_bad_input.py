@@ -464,6 +464,11 @@ def c_finetune_negative_train_limit(w, d):
             str(d / "run"), "data.train_limit=-5"], ["data.train_limit=-5"]
 
 
+def c_finetune_bf16_base_with_fp32_precision(w, d):
+    return _ft(w, d / "run", "--peft", "lora", "peft.base_dtype=bf16", "train.precision=fp32"), [
+        "peft.base_dtype=bf16", "train.precision=fp32"]
+
+
 def c_sweep_unknown_grid_key(w, d):
     spec = d / "sweep.yaml"
     spec.write_text(json.dumps({"command": "finetune", "metrics": ["test.accuracy"], "out": str(d / "sweep"),

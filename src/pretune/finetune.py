@@ -40,7 +40,7 @@ from .inference import (  # re-exported: finetune's public API before inference.
     write_predictions,
 )
 from .loading import TASK_FILE
-from .peft.config import PeftConfig
+from .peft.config import PeftConfig, base_dtype_for
 from .runconfig import TrainConfig, check_batch, check_train, merge_layers, section
 from .tasks.base import Record, TaskConfig
 from .train.precision import describe_device, resolve_precision
@@ -157,6 +157,7 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
                               "tune.freeze_body or tune.from_scratch")
         if not cfg.model.get("init"):
             raise ConfigError("peft.method needs a pretrained base: set model.init=CHECKPOINT")
+    base_dtype_for(cfg.peft, tr.precision)  # bf16 needs a PEFT method and bf16 matmuls
     return cfg
 
 
@@ -170,6 +171,7 @@ class FullMethod:
         self.freeze_body = freeze_body
         self.name = "head only (body frozen)" if freeze_body else "full finetuning"
         self.default_lr = HEAD_LR if freeze_body else FULL_LR  # a linear probe trains only a fresh head
+        self.base_dtype, self.base_note = "fp32", ""  # every weight stays fp32
 
     def default_head_lr(self, lr: float) -> float:
         """The task head's rate when tune.head_lr is not set: the run's (full finetuning, a probe)."""
@@ -206,6 +208,9 @@ class AdapterMethod:
         self.modules = [METHODS[m] for m in peft_cfg.methods]
         self.name = f"peft {peft_cfg.method}"
         self.default_lr = self.modules[0].DEFAULT_LR  # a combination: the first method's
+        self.base_dtype = "fp32"  # how the frozen base's linear weights are stored (peft.base_dtype, resolved)
+        self.base_note = ""  # the start line saying so, when they are cast
+        self.base_bytes_saved = 0
 
     def default_head_lr(self, lr: float) -> float:
         """The task head's rate when tune.head_lr is not set: HEAD_LR, or the run's when that is higher."""
@@ -219,20 +224,28 @@ class AdapterMethod:
     def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
         from . import peft
 
+        self.cfg = cfg.peft  # base_dtype resolved (auto -> fp32 or bf16)
         summary = peft.inject(model, self.cfg, name="default", tokenizer=tok, seed=cfg.train.seed)
         log(f"{self.name}: {peft.format_summary(summary)}")
+        self.base_dtype = self.cfg.base_dtype
+        if "base_cast" in summary:
+            self.base_bytes_saved = summary["base_bytes_saved"]
+            self.base_note = (f"frozen base: bf16 ({summary['base_cast']:,} linear weights, "
+                              f"{self.base_bytes_saved / 1e6:.1f} MB saved; embeddings, norms and biases fp32)")
 
     def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
         from . import peft
 
         peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok,
                           extra_files={TASK_FILE: json.dumps(dataclasses.asdict(cfg.task), indent=2) + "\n"})
-        sizes = {"adapter_bytes": peft.adapter_size(model_dir),
-                 "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.base_state(model).values())}
+        sizes = {"adapter_bytes": peft.adapter_size(model_dir),  # the full model as saved: fp32 (a bf16 base widened)
+                 "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.base_state(model).values())
+                 + self.base_bytes_saved}
         a, f = sizes["adapter_bytes"], sizes["full_model_bytes"]
         log(f"adapter -> {model_dir}: {a / 1e6:.2f} MB, against {f / 1e6:.1f} MB for the full model "
             f"({100 * a / f:.2f}%)")
-        return {"peft": {"method": self.cfg.method, **peft.trainable_summary(model), **sizes}}
+        return {"peft": {"method": self.cfg.method, **peft.trainable_summary(model), **sizes,
+                         "base_dtype": self.base_dtype}}
 
 
 def method_for(cfg: FinetuneConfig) -> FullMethod | AdapterMethod:
@@ -385,8 +398,14 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         feats["train"] = task.pack(feats["train"], task.max_len)
         derived["data.packing"] = f"{n} examples packed into {len(feats['train'])} rows of <= {task.max_len} tokens"
         log(f"data.packing: {n} training examples in {len(feats['train'])} rows of at most {task.max_len} tokens")
+    requested = cfg.train.precision
     cfg = _resolve_train(cfg, len(feats["train"]), method, derived,
                          task_head=model.config.head in TASK_HEADS and model.head is not None)
+    base_dtype = base_dtype_for(cfg.peft, requested, cfg.train.precision)
+    if base_dtype != cfg.peft.base_dtype:
+        derived["peft.base_dtype"] = (f"auto: {base_dtype}, as train.precision is {cfg.train.precision}"
+                                      if cfg.peft.method else "auto: fp32, no PEFT method (nothing is frozen)")
+        cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, base_dtype=base_dtype))
     method.setup(model, tok, cfg, log)
     metric = cfg.task.metric or task.default_metric
     return Prepared(cfg=cfg, model=model, tokenizer=tok, task=task, method=method,
@@ -555,6 +574,8 @@ def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_
         f"{tr.lr:g}, dev {job.metric} every {tr.eval_every} steps -> {run_dir}"
         + (f", {dist.world} processes ({tr.parallel})" if dist.enabled else ""))
     log(precision_line(requested, tr.precision, dist.device))
+    if job.method.base_note:
+        log(job.method.base_note)
     trainer = _trainer(job, show_progress=show_progress, log=log, dist=dist)
     t0 = time.perf_counter()
     result = trainer.fit(resume=resume, log=log)
@@ -596,9 +617,15 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
         dev_final = dict(next(h for s, h in history if s == best.best_step)) if best.best_step is not None else {}
     test_metrics = {}
     if job.records["test"]:
-        # in fp32 whatever the training precision: the scores `pretune evaluate MODEL TEST` reproduces
+        # in fp32 whatever the training precision: the scores `pretune evaluate MODEL TEST` reproduces; a base stored in
+        # bf16 (peft.base_dtype) runs only under bf16 autocast, where it gives exactly what the fp32 base gives: the
+        # scores of `pretune evaluate MODEL TEST --precision bf16`
+        precision = "bf16" if job.method.base_dtype == "bf16" else "fp32"
+        if precision == "bf16":
+            log("test: scored under bf16 autocast, as the base is stored in bf16 (peft.base_dtype): `pretune evaluate "
+                "MODEL TEST --precision bf16` gives these scores")
         test_metrics, preds = evaluate_task(task, model, job.records["test"], batch_size=tr.batch_size * 2,
-                                            precision="fp32", features=job.features["test"],
+                                            precision=precision, features=job.features["test"],
                                             show_progress=show_progress, desc="test", dist=dist)
         if dist.is_main:
             write_predictions(task, job.records["test"], preds, run_dir / "test_predictions.jsonl")

@@ -301,7 +301,8 @@ def _unquote(value: str) -> str:
 # finetuning's warmup, follow)
 RESUME_MAY_CHANGE = ("train.eval_every", "train.save_every", "train.log_every", "train.threads", "train.tensorboard",
                      "train.plot", "train.eval_batches", "train.keep_last", "train.out",
-                     "train.precision")  # what `auto` resolves to differs between machines (not bitwise then)
+                     "train.precision",  # what `auto` resolves to differs between machines (not bitwise then)
+                     "peft.base_dtype")  # follows the precision; a bf16 base computes what the fp32 one does
 RESUME_MAY_GROW = ("train.steps", "tune.epochs")
 
 
@@ -338,6 +339,6 @@ def check_resume(stored: dict, new: dict, *, source: str, derived=()) -> list[st
     if refused:
         raise ConfigError(f"cannot resume {source} with a different config (" + "; ".join(refused) + "); resume "
                           "with the settings it was started with (only the eval/save/log intervals, threads, the "
-                          "precision and a longer train.steps / tune.epochs may change), or start a new run "
-                          "(--overwrite or another folder)")
+                          "precision, peft.base_dtype and a longer train.steps / tune.epochs may change), or start a "
+                          "new run (--overwrite or another folder)")
     return allowed

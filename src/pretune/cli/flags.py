@@ -67,7 +67,8 @@ FINETUNE_FLAGS = (
     Flag("--from-scratch", "tune.from_scratch", "same architecture, random weights", switch=True),
     Flag("--freeze-body", "tune.freeze_body", "train only the task head", switch=True),
     Flag("--peft", "peft.method", "parameter-efficient: lora, adapter, prefix, prompt, ia3, embeddings, bitfit or a "
-         "'+' combination (sizes: peft.r=8 peft.alpha=16 peft.n_virtual=20 ...); the run saves a small adapter folder",
+         "'+' combination (sizes: peft.r=8 peft.alpha=16 peft.n_virtual=20 ...; peft.base_dtype=bf16 stores the "
+         "frozen linear weights in bf16, with train.precision=bf16); the run saves a small adapter folder",
          metavar="METHOD"),
     Flag("--patience", "tune.patience", "early stopping after N evaluations without dev improvement", type=int),
     Flag("--lr", "train.lr", "peak learning rate (default: 5e-5 for full finetuning, each PEFT method its own; "

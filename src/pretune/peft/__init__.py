@@ -10,6 +10,7 @@ embeddings-only training, alone or combined, several adapters in one model and o
     with peft.route(model2, ["spam", None, "spam"]):         # a different adapter (or none) per example
         out = model2(ids, attention_mask=mask)
     merged = peft.merged_model(model2, "spam")                # a plain model with LoRA folded into W0
+    peft.inject(model, peft.PeftConfig(method="lora", base_dtype="bf16"))  # frozen linear weights stored in bf16
 
 Each method is one module of ``pretune.peft.methods`` (registry ``METHODS``); a method wraps the layers it
 changes, the model code names none of them.
@@ -19,6 +20,8 @@ from .config import PeftConfig
 from .core import PeftError, adapter_names, adapter_parameters, base_state, peft_state
 from .files import adapter_size, hf_places, is_adapter_folder, load_adapter, read_meta, save_adapter
 from .inject import (
+    base_matmul_weights,
+    cast_base,
     format_summary,
     freeze_for,
     inject,
@@ -37,5 +40,5 @@ __all__ = [
     "METHODS", "METHOD_HELP", "PeftConfig", "PeftError", "PeftLinear", "PeftState", "inject", "route", "set_active",
     "merge", "unmerge", "merged_model", "strip_peft", "freeze_for", "trainable_summary", "format_summary",
     "adapter_names", "adapter_parameters", "save_adapter", "load_adapter", "hf_places", "is_adapter_folder",
-    "read_meta", "base_state", "peft_state", "adapter_size",
+    "read_meta", "base_state", "peft_state", "adapter_size", "cast_base", "base_matmul_weights",
 ]

@@ -4,6 +4,7 @@
     with route(model, ["sst2", None, "spam"]):                              # one adapter per example
         out = model(ids, attention_mask=mask)
     merge(model); unmerge(model)                                            # fold LoRA into W0 and back
+    cast_base(model, torch.bfloat16)      # the frozen linear weights stored in bf16 (PeftConfig.base_dtype="bf16")
 
 Each method is a module of ``pretune.peft.methods`` (its ``inject`` wraps the layers it changes); this file is
 the engine that runs them, whatever the method.
@@ -17,8 +18,10 @@ import re
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from ..config import TASK_HEADS
+from ..model.heads import LMHead, MLMHead
 from .config import PeftConfig
 from .core import (
     InjectContext,
@@ -33,7 +36,8 @@ from .core import (
 from .layers import PeftLinear, RoutedHead
 from .methods import METHODS
 
-__all__ = ["inject", "freeze_for", "trainable_summary", "format_summary", "set_active", "route", "merge", "unmerge",
+__all__ = ["inject", "freeze_for", "cast_base", "base_matmul_weights",
+           "trainable_summary", "format_summary", "set_active", "route", "merge", "unmerge",
            "merged_model", "strip_peft", "PeftError", "adapter_names", "adapter_parameters", "is_peft_parameter",
            "peft_state"]
 
@@ -44,9 +48,13 @@ def inject(model, cfg: PeftConfig, name: str = "default", *, tokenizer=None, tra
 
     ``name`` becomes the only active adapter (``activate``); with ``train`` every parameter but its own,
     the task head's (classification, tagging, ...) and the base parameters it trains (embeddings, biases) is
-    frozen. Returns {trainable, total, fraction}.
+    frozen, and with ``cfg.base_dtype="bf16"`` the frozen linear weights are then stored in bf16 (:func:`cast_base`).
+    Returns {trainable, total, fraction}, plus {base_cast, base_bytes_saved} when the base was cast.
     """
     cfg = cfg.validated()
+    if train and cfg.base_dtype == "auto":
+        raise PeftError("peft.base_dtype=auto is resolved by a run from its train.precision (pretune finetune does "
+                        "it); inject takes fp32 or bf16")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
         raise PeftError(f"adapter name {name!r}: use letters, digits, '_' and '-' only")
     state = peft_state(model)
@@ -60,7 +68,11 @@ def inject(model, cfg: PeftConfig, name: str = "default", *, tokenizer=None, tra
         state.active = [name]
     if train:
         freeze_for(model, name)
-    return trainable_summary(model)
+    summary = trainable_summary(model)
+    if train and cfg.base_dtype == "bf16":
+        cast = cast_base(model, torch.bfloat16)
+        summary.update(base_cast=cast["params"], base_bytes_saved=cast["bytes_saved"])
+    return summary
 
 
 def freeze_for(model, name: str) -> None:
@@ -77,6 +89,39 @@ def freeze_for(model, name: str) -> None:
     params = base_parameters(model)
     for k in state.owned(name):
         params[k].requires_grad_(True)
+
+
+def base_matmul_weights(model) -> dict[str, nn.Parameter]:
+    """The base model's weights that only matmuls read, by base name: every nn.Linear's of the body (wrapped ones
+    included) and the LM head's output matrix when it is not the token embedding. Lookup tables (token, position and
+    token-type embeddings, relative position tables, a head tied to the embedding) are not among them."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # a tied head's weight too
+    readers = [m for m in model.modules() if isinstance(m, (nn.Linear, LMHead, MLMHead))]
+    wanted = {id(m.weight) for m in readers} - tables
+    return {k: p for k, p in base_parameters(model).items() if id(p) in wanted}
+
+
+@torch.no_grad()
+def cast_base(model, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Store the frozen matmul weights of the base (:func:`base_matmul_weights` that do not train) in ``dtype``, in
+    place: the same Parameter objects, so ties, wrappers and shared layers stay as they are. ``torch.float32``
+    casts them back (exactly: every bf16 value is an fp32 value).
+
+    Under bf16 autocast a linear layer rounds an fp32 weight to bf16 before its matmul, so a bf16-stored weight gives
+    the same outputs and gradients bit for bit while taking half the memory (and no per-step cast). The rest stays
+    fp32 on purpose: embedding tables (a lookup is not autocast, so a bf16 table would round the residual stream),
+    norm weights and biases (1-D, tiny; norms compute in fp32), and everything that trains (adapters, the task
+    head, trained biases), with their AdamW state. A bf16 base must then run under bf16 autocast (or be cast back).
+    Returns {params: parameters cast, bytes_saved: bytes freed (negative when widening)}."""
+    n, saved = 0, 0
+    for p in base_matmul_weights(model).values():
+        if p.requires_grad or not p.is_floating_point() or p.dtype == dtype:
+            continue
+        before = p.element_size()
+        p.data = p.data.to(dtype)  # the Parameter object stays (ties, optimizer-free: it is frozen)
+        n += p.numel()
+        saved += p.numel() * (before - p.element_size())
+    return {"params": n, "bytes_saved": saved}
 
 
 def trainable_summary(model) -> dict:
@@ -145,7 +190,8 @@ def _names(model, names) -> list[str]:
 
 def merge(model, names: str | Sequence[str] | None = None) -> None:
     """Fold the LoRA / (IA)3 weights of ``names`` (default: the active adapters) into the base weights (the base
-    parameters an embeddings or BitFit adapter trains are in them already)."""
+    parameters an embeddings or BitFit adapter trains are in them already). Computed in fp32; a bf16-stored base
+    keeps its dtype, so the merged weight is rounded to bf16 (:func:`merged_model` widens the base first)."""
     state = peft_state(model)
     for n in _names(model, names):
         other = [m for m in state.configs[n].methods if not METHODS[m].MERGEABLE]
@@ -170,7 +216,7 @@ def unmerge(model, names: str | Sequence[str] | None = None) -> None:
 
 def merged_model(model, name: str | None = None):
     """A plain TransformerLM (no PEFT modules) whose weights have adapter ``name`` merged in, with that
-    adapter's task head. The original model is left as it was."""
+    adapter's task head, in fp32 (a bf16-stored base is widened first). The original model is left as it was."""
     from ..model import TransformerLM
 
     state = peft_state(model)
@@ -178,6 +224,7 @@ def merged_model(model, name: str | None = None):
     if name is None:
         raise PeftError(f"which adapter? the model has {list(state.configs)}; pass name=")
     work = copy.deepcopy(model)
+    cast_base(work, torch.float32)  # a bf16-stored base merges in fp32: W0 + s B A is not rounded back to bf16
     merge(work, name)
     routed = isinstance(work.head, RoutedHead)
     own_head = routed and name in work.head.adapter_heads

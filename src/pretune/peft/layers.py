@@ -192,21 +192,22 @@ class PeftLinear(WrappedLinear):
         if name in self.merged or (name not in self.lora_A and name not in self.ia3):
             return
         W, b = self.base_layer.weight, self.base_layer.bias
+        w = W.float()  # computed in fp32 and rounded once to a bf16 base (W itself when W is fp32)
         if name in self.ia3:
-            vec = self.ia3[name].to(W.dtype)
+            vec = self.ia3[name].float()
             if self.ia3_input:
-                W.mul_(vec[None, :])
+                w = w * vec[None, :]
             else:
-                W.mul_(vec[:, None])
+                w = w * vec[:, None]
                 if b is not None:
                     b.mul_(vec.to(b.dtype))
         if name in self.lora_magnitude:  # W <- (m / ||W0 + s B A||) (W0 + s B A), row by row
             norm = self.dora_norm(name)
             self._dora_norms[name] = norm
-            W.add_(self.delta_weight(name).to(W.dtype))
-            W.mul_((self.lora_magnitude[name] / norm).to(W.dtype)[:, None])
+            w = (w + self.delta_weight(name).float()) * (self.lora_magnitude[name] / norm).float()[:, None]
         elif name in self.lora_A:
-            W.add_(self.delta_weight(name).to(W.dtype))
+            w = w + self.delta_weight(name).float()
+        W.copy_(w)
         self.merged.append(name)
 
     @torch.no_grad()
@@ -214,18 +215,20 @@ class PeftLinear(WrappedLinear):
         if name not in self.merged:
             return
         W, b = self.base_layer.weight, self.base_layer.bias
+        w = W.float()
         if name in self.lora_magnitude:
-            W.div_((self.lora_magnitude[name] / self._dora_norms.pop(name)).to(W.dtype)[:, None])
+            w = w / (self.lora_magnitude[name] / self._dora_norms.pop(name)).float()[:, None]
         if name in self.lora_A:
-            W.sub_(self.delta_weight(name).to(W.dtype))
+            w = w - self.delta_weight(name).float()
         if name in self.ia3:
-            vec = self.ia3[name].to(W.dtype)
+            vec = self.ia3[name].float()
             if self.ia3_input:
-                W.div_(vec[None, :])
+                w = w / vec[None, :]
             else:
-                W.div_(vec[:, None])
+                w = w / vec[:, None]
                 if b is not None:
                     b.div_(vec.to(b.dtype))
+        W.copy_(w)
         self.merged.remove(name)
 
     def extra_repr(self) -> str:

@@ -200,7 +200,8 @@ class Trainer:
             batch = self.make_batch(self.data.train_ids[:2], epoch=0)
             totals = {k: max(float(v), 1.0) for k, v in self.objective.counts(batch).items()}
             self.module.train()
-            loss, _ = self.module(_to(batch, self.dist.device), totals)
+            with self._autocast():  # as a step runs it (a base stored in bf16 runs only under bf16 autocast)
+                loss, _ = self.module(_to(batch, self.dist.device), totals)
             loss.backward()
             unused = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
         finally:
