@@ -418,17 +418,16 @@ def test_kv_cache_writes_in_place_and_reorders():
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_decoding_takes_the_lean_path_with_the_general_paths_logits(pair, family, monkeypatch):
-    """Decoding with a growing cache and no gradients projects q/k/v as token-major heads, rotates them in place and
-    writes keys and values in one copy (Attention._decode_qkv); its step-by-step logits of a left-padded batch equal
-    the general path's (RoPE as a matmul rounds differently, so within 1e-5) and the general path still runs
-    elsewhere (training, no cache)."""
+def test_the_fused_qkv_path_gives_the_general_paths_logits_and_gradients(pair, family, monkeypatch):
+    """Plain q/k/v linears take the lean path (Attention._fused_qkv): token-major heads rotated in place, keys and
+    values cached in one copy. Decoding a left-padded batch step by step gives the general path's logits (RoPE as a
+    matmul rounds differently, so within 1e-5), and a training forward/backward its loss and gradients."""
     from pretune.model.attention import Attention
 
     ours = pair[family][1]
     ids, mask = _batch(family)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    lean = Attention._decode_qkv
+    lean = Attention._fused_qkv
     taken = []
 
     def spy(self, *args):
@@ -436,8 +435,8 @@ def test_decoding_takes_the_lean_path_with_the_general_paths_logits(pair, family
         taken.append(out is not None)
         return out
 
-    def steps(decode_qkv):
-        monkeypatch.setattr(Attention, "_decode_qkv", decode_qkv)
+    def steps(fused_qkv):
+        monkeypatch.setattr(Attention, "_fused_qkv", fused_qkv)
         cache, out = KVCache(capacity=10), []
         with torch.no_grad():
             out.append(ours(ids, mask, position_ids=pos, past_key_values=cache).logits)
@@ -445,16 +444,15 @@ def test_decoding_takes_the_lean_path_with_the_general_paths_logits(pair, family
                 new = ids[:, t:t + 1]
                 full = torch.cat([mask, torch.ones(3, t + 1, dtype=mask.dtype)], dim=1)
                 out.append(ours(new, full, position_ids=pos[:, -1:] + t + 1, past_key_values=cache).logits)
-        return out
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = ours(ids, mask, position_ids=pos, labels=labels).loss
+        return out, [loss, *torch.autograd.grad(loss, list(ours.parameters()), allow_unused=True)]
 
-    got, want = steps(spy), steps(lambda *args: None)
-    assert taken and all(taken)  # every layer of every step
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
-    taken.clear()
-    monkeypatch.setattr(Attention, "_decode_qkv", spy)
-    ours(ids, mask)  # gradients on (a training forward): the general path
-    assert taken == [False] * len(taken) and taken
+    (got, got_train), (want, want_train) = steps(spy), steps(lambda *args: None)
+    assert taken and all(taken)  # every layer of every step, and the training forward
+    for g, w in zip(got + got_train, want + want_train):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
 
 def test_static_cache_writes_at_its_index_and_attends_over_its_capacity():

@@ -173,3 +173,37 @@ def test_rms_norm_kernel_equals_the_composite_bitwise_forward_and_backward(shape
         outs.append((y, *torch.autograd.grad(y, [t for t in (x, w) if t is not None], grad)))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "geglu", "reglu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_ffn_recomputing_its_inner_activation_gives_the_plain_gradients(ffn, bias):
+    """In training a gated FFN keeps only the fused gate/up output for the backward and recomputes act(gate) * up
+    there (layers._GatedDown): the output and every gradient equal the plain autograd path's, and the inner
+    activation is not among the tensors saved for the backward."""
+    from pretune.model.layers import FeedForward
+
+    torch.manual_seed(0)
+    ffn_mod = FeedForward(ModelConfig(arch="decoder", head="lm", vocab_size=10, dim=16, n_layers=1, n_heads=2,
+                                      ffn_dim=24, ffn=ffn, bias=bias))
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    g = torch.randn(3, 5, 16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = ffn_mod(x)
+    got = torch.autograd.grad(y, [x, *ffn_mod.parameters()], g)
+    assert (3, 5, 24) not in saved  # neither act(gate) nor act(gate) * up is kept
+    plain = ffn_mod.down_proj(ffn_mod.act(ffn_mod.gate_proj(x)) * ffn_mod.up_proj(x))
+    want = torch.autograd.grad(plain, [x, *ffn_mod.parameters()], g)
+    torch.testing.assert_close(y, plain, rtol=0, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # low precision: the same casts as the plain path
+        y16 = ffn_mod(x)
+        plain16 = ffn_mod.down_proj(ffn_mod.act(ffn_mod.gate_proj(x)) * ffn_mod.up_proj(x))
+    assert y16.dtype == plain16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), plain16.float(), rtol=0.02, atol=0.02)
+    for a, b in zip(torch.autograd.grad(y16, [x, *ffn_mod.parameters()], g.bfloat16()),
+                    torch.autograd.grad(plain16, [x, *ffn_mod.parameters()], g.bfloat16())):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)

@@ -120,3 +120,20 @@ def test_a_frozen_head_is_cast_once_under_autocast_and_an_update_is_seen():
     assert b.item() == pytest.approx(ref.item(), rel=1e-3) and a.item() != b.item()
     trained = torch.randn(50, 8, requires_grad=True)
     assert _cast_frozen(trained, torch.bfloat16) is not _cast_frozen(trained, torch.bfloat16)  # autograd needs it
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_fused_cross_entropy_gradients_follow_the_upstream_gradient(scale):
+    """The fused loss hands its forward-computed gradients over as they are when the upstream gradient is 1
+    (loss.backward()) and scales them otherwise; both equal F.cross_entropy's over the built logits. Several chunks
+    (the weight gradient accumulated in place) and ignored rows."""
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(10, 8, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 30, (10,), generator=g)
+    t[3] = -100
+    got = torch.autograd.grad(fused_linear_cross_entropy(h, w, t, chunk=4) * scale, (h, w))
+    want = torch.autograd.grad(F.cross_entropy(h @ w.t(), t) * scale, (h, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

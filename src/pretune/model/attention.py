@@ -52,12 +52,14 @@ class Attention(nn.Module):
         q, k = self._norm_qk(self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads))
         return q, k, self._heads(v, self.n_kv_heads)
 
-    def _decode_qkv(self, x: torch.Tensor, rotate, cache):
-        """Decoding's lean path (no gradients, a growing KV cache, plain q/k/v linears, no per-head norm): the fused
-        projection's output viewed as token-major heads (B, T, H + 2 Hkv, Dh), RoPE on its q and k heads in place
-        (one matmul per layer for a few tokens), its k and v heads written into the cache in one copy. The same
-        values as the general path, with about half of its PyTorch calls per layer. None: take the general path."""
-        if (cache is None or type(cache) is not LayerCache or torch.is_grad_enabled() or self.q_norm is not None
+    def _fused_qkv(self, x: torch.Tensor, rotate, cache):
+        """The lean path when q, k and v are plain linears with no per-head norm (and any cache is a growing one): the
+        fused projection's output viewed as token-major heads (B, T, H + 2 Hkv, Dh), RoPE on its q and k heads (in
+        place, or for a few tokens one matmul over all heads), its k and v heads written into a cache in one copy.
+        Decoding makes about half the PyTorch calls per layer of the general path; training keeps one (B, T,
+        H + 2 Hkv, Dh) tensor for the attention's backward instead of the projection's output plus rotated copies
+        of q and k. The same values up to rounding. None: take the general path."""
+        if ((cache is not None and type(cache) is not LayerCache) or self.q_norm is not None
                 or (rotate is not None and not hasattr(rotate, "heads"))):
             return None
         y = self._qkv.joined(x, (self.q_proj, self.k_proj, self.v_proj))
@@ -66,7 +68,12 @@ class Attention(nn.Module):
         y = y.unflatten(-1, (-1, self.dh))  # (B, T, H + 2 Hkv, Dh)
         if rotate is not None:
             y = rotate.heads(y, self.n_heads + self.n_kv_heads)
-        k, v = cache.append_tokens(y.narrow(2, self.n_heads, 2 * self.n_kv_heads))  # (B, Hkv, T_past + T, Dh) each
+        kv = y.narrow(2, self.n_heads, 2 * self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.append_tokens(kv)  # (B, Hkv, T_past + T, Dh) each
+        else:
+            k = kv.narrow(2, 0, self.n_kv_heads).transpose(1, 2)
+            v = kv.narrow(2, self.n_kv_heads, self.n_kv_heads).transpose(1, 2)
         return y.narrow(2, 0, self.n_heads).transpose(1, 2), k, v
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +112,7 @@ class Attention(nn.Module):
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v
         else:
-            joined = self._decode_qkv(x, rotate, cache)  # decoding: projected, rotated and cached in fewer calls
+            joined = self._fused_qkv(x, rotate, cache)  # projected, rotated (and cached) in fewer calls
             if joined is not None:
                 q, k, v = joined
             else:

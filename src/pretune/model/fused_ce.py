@@ -68,9 +68,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 g = z.to(dtype)
                 if need_h:
                     grad_h[s:s + chunk] = g @ wc
-                if need_w:
-                    part = g.t() @ hs  # (V, d)
-                    grad_w = part.float() if grad_w is None else grad_w.add_(part)  # accumulated in fp32
+                if need_w:  # (V, d), accumulated in fp32 (in place when the chunks are fp32: no (V, d) temporary)
+                    if grad_w is None:
+                        grad_w = (g.t() @ hs).float()
+                    elif g.dtype == grad_w.dtype:
+                        grad_w.addmm_(g.t(), hs)
+                    else:
+                        grad_w.add_(g.t() @ hs)
             if need_w and grad_w is None:  # no rows at all
                 grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w)  # None for an input that needs no gradient
@@ -81,8 +85,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
-                None if grad_w is None else (grad_w * grad_out).to(w_dtype), None, None, None)
+        # loss.backward() passes 1: hand over the gradients computed in the forward as they are. The engine frees
+        # the saved tensors before accumulating, so the (vocab, dim) weight gradient becomes .grad without a copy
+        # (a product would allocate another one while every activation is still held: the backward's peak)
+        one = grad_out.numel() == 1 and float(grad_out) == 1.0
+        return (None if grad_h is None else (grad_h if one else grad_h * grad_out).to(h_dtype),
+                None if grad_w is None else (grad_w if one else grad_w * grad_out).to(w_dtype), None, None, None)
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -80,7 +80,8 @@ class FusedLinears:
     decoding one token at a time. Held as a plain attribute by the module that owns the layers (not a submodule:
     the stacked weight is a cache, never a parameter or a state-dict entry).
 
-    Weights that train are concatenated on every call (autograd must reach them); frozen ones (inference,
+    Weights that train are concatenated on every call (autograd must reach them; :class:`_StackedLinear` keeps the
+    layers' own weights for the backward, not the stacked copy); frozen ones (inference,
     generation, LoRA) are stacked once and reused until a weight changes (in-place updates bump the tensor's
     version, a move gives a new storage; a write through ``param.data`` bypasses the version counter and is not
     seen). A :class:`WrappedLinear` joins the fused matmul through its ``base_layer`` and adjusts its slice of the
@@ -96,8 +97,7 @@ class FusedLinears:
                 for p, b in zip(layers, bases))
                 or len({b.bias is None for b in bases}) > 1):  # (some with a bias, some without: rare, unfused)
             return [p(x) for p in layers]
-        w, b = self.weights(bases, x.device.type)
-        ys = F.linear(x, w, b).split([base.out_features for base in bases], dim=-1)
+        ys = self._matmul(x, bases).split([base.out_features for base in bases], dim=-1)
         return [y if p is base else p.adjust(x, y) for p, base, y in zip(layers, bases, ys)]
 
     def joined(self, x: torch.Tensor, layers) -> torch.Tensor | None:
@@ -105,7 +105,14 @@ class FusedLinears:
         wrapped (a LoRA or (IA)3 adjusts its own slice: run ``__call__``) or the biases differ."""
         if any(type(p) is not nn.Linear for p in layers) or len({p.bias is None for p in layers}) > 1:
             return None
-        w, b = self.weights(layers, x.device.type)
+        return self._matmul(x, layers)
+
+    def _matmul(self, x: torch.Tensor, bases) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(b.weight.requires_grad for b in bases) and not torch.compiler.is_compiling():
+            # training: the stacked weight is not kept for the backward (the layers' own weights are)
+            bias = torch.cat([b.bias for b in bases]) if bases[0].bias is not None else None
+            return _StackedLinear.apply(x, bias, *(b.weight for b in bases))
+        w, b = self.weights(bases, x.device.type)
         return F.linear(x, w, b)
 
     def weights(self, bases, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -119,8 +126,6 @@ class FusedLinears:
         biases = [b.bias for b in bases] if bases[0].bias is not None else []
         tensors = [b.weight for b in bases] + biases
         n = len(bases)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return torch.cat(tensors[:n]), (torch.cat(tensors[n:]) if biases else None)
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         if cast is not None and not tensors[0].is_floating_point():
             cast = None
@@ -206,6 +211,73 @@ FFNS: dict[str, tuple[bool, str]] = {
 }
 
 
+class _StackedLinear(torch.autograd.Function):
+    """x @ cat(weights).T + bias with the weights that train stacked for the matmul but not kept for the backward
+    (it stacks them again): autograd would hold the stacked copy of every fused q/k/v and gate/up weight from the
+    forward to the backward. Under autocast the matmul runs in the autocast dtype, as F.linear would."""
+
+    @staticmethod
+    def forward(ctx, x, bias, *weights):
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            xc = x.to(dtype)
+            out = F.linear(xc, torch.cat(weights).to(dtype), None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(xc, *weights)
+        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xc, *weights = ctx.saved_tensors
+        grad_out = grad_out.to(xc.dtype)
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_out @ torch.cat(weights).to(xc.dtype)).to(ctx.x_dtype)
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = flat.sum(0)
+        grads = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_w = flat.t() @ xc.reshape(-1, xc.shape[-1])  # (sum of out_features, in)
+            parts = grad_w.split([w.shape[0] for w in weights])
+            grads = [g.to(w.dtype) if need else None for g, w, need in zip(parts, weights, ctx.needs_input_grad[2:])]
+        return grad_x, grad_bias, *grads
+
+
+class _GatedDown(torch.autograd.Function):
+    """down(act(gate) * up) from the fused gate/up output with only that output saved for the backward: the inner
+    activation act(gate) * up (and act(gate)) are recomputed there instead of kept, two (N, ffn_dim) tensors per
+    layer fewer held between forward and backward. Same kernels as the plain path (linear; the activation's own
+    backward through autograd), so the same values and gradients."""
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, bias, act):  # gate_up (..., 2F) = [gate | up]; weight (dim, F)
+        gate, up = gate_up.chunk(2, dim=-1)
+        inner = act(gate) * up
+        out = F.linear(inner, weight.to(inner.dtype), None if bias is None else bias.to(inner.dtype))
+        ctx.save_for_backward(gate_up, weight)
+        ctx.act, ctx.has_bias = act, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate_up, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = gate_up.detach().requires_grad_()
+            gate, up = leaf.chunk(2, dim=-1)
+            inner = ctx.act(gate) * up
+        w = weight.to(inner.dtype)
+        grad_inner = grad_out @ w  # (..., F)
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = (flat.t() @ inner.detach().reshape(-1, inner.shape[-1])).to(weight.dtype)
+        grad_b = flat.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_gate_up = None
+        if ctx.needs_input_grad[0]:
+            (grad_gate_up,) = torch.autograd.grad(inner, leaf, grad_inner)
+        return grad_gate_up, (grad_w if ctx.needs_input_grad[1] else None), grad_b, None
+
+
 class FeedForward(nn.Module):
     """Original FFN act(x W1 + b1) W2 + b2, or gated (act(xW) * xV) W2 when cfg.ffn is a GLU variant."""
 
@@ -221,5 +293,11 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
+        down = self.down_proj
+        if torch.is_grad_enabled() and type(down) is nn.Linear and not torch.compiler.is_compiling():
+            # training: keep only the fused gate/up output for the backward (the inner activation is recomputed)
+            gate_up = self._gate_up.joined(x, (self.gate_proj, self.up_proj))
+            if gate_up is not None:
+                return _GatedDown.apply(gate_up, down.weight, down.bias, self.act)
         gate, up = self._gate_up(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(self.act(gate) * up)
+        return down(self.act(gate) * up)
