@@ -126,6 +126,8 @@ class FusedLinears:
         biases = [b.bias for b in bases] if bases[0].bias is not None else []
         tensors = [b.weight for b in bases] + biases
         n = len(bases)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # (compiled training: plain cat)
+            return torch.cat(tensors[:n]), (torch.cat(tensors[n:]) if biases else None)
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         if cast is not None and not tensors[0].is_floating_point():
             cast = None
