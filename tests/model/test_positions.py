@@ -186,8 +186,8 @@ def test_learned_positions_use_offset():
         lp.add(x, torch.tensor([60, 61, 62]))
 
 
-@pytest.mark.parametrize("rows, T", [(1, 1), (3, 1), (2, 7), (2, 2000), (2, 20000)],
-                         ids=["one", "batch", "prompt", "shared-matrix", "elementwise"])
+@pytest.mark.parametrize("rows, T", [(1, 1), (3, 1), (2, 7), (3, 2000), (2, 20000)],
+                         ids=["one", "batch", "prompt", "long", "longer"])
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared-positions", "per-row-positions"])
 def test_rotating_fused_heads_in_place_equals_rotating_q_and_k(rows, T, per_row):
     """``rotation(...).heads`` (decoding's lean path: RoPE on the q and k heads of the fused projection, token-major,
@@ -203,8 +203,8 @@ def test_rotating_fused_heads_in_place_equals_rotating_q_and_k(rows, T, per_row)
     v = y[:, :, H + Hkv:].clone()
     with torch.no_grad():
         out = rotate.heads(y, H + Hkv)
-    # a matrix per head while they fit in 2^20 numbers (a new tensor); past that y is rotated in place
-    assert (out is y) == (rows * T * (H + 2 * Hkv) * d * d > 1 << 20)
+    # a matrix per position and head while they fit in 2^20 numbers (a new tensor); past that y is rotated in place
+    assert (out is y) == ((rows if per_row else 1) * T * (H + 2 * Hkv) * d * d > 1 << 20)
     y = out
     torch.testing.assert_close(y[:, :, :H].transpose(1, 2), q, rtol=0, atol=1e-6)
     torch.testing.assert_close(y[:, :, H:H + Hkv].transpose(1, 2), k, rtol=0, atol=1e-6)

@@ -146,38 +146,35 @@ class RotaryPositions(NoPosition):
             c, s = tables(q.dtype)
             return _rope(q, c, s), _rope(k, c, s)
 
-        per_token = {}  # (dtype, n, heads) -> each position's rotation as (d, d) matrices, per head or shared
+        per_token = {}  # (dtype, n, heads) -> each position's rotation of each head as a (d, d) matrix
 
         def heads(y: torch.Tensor, n: int) -> torch.Tensor:
             """Token-major heads y (B, T, heads, d) with the first ``n`` rotated (the q and k heads of the fused
             q/k/v projection; the value heads after them are kept). For a few tokens (decoding) the rotation is one
-            batched matmul with each position's (d, d) rotation matrix (built once per forward: cos on the diagonal,
-            +-sin at the pair's other coordinate; the identity for the value heads when few enough), instead of the
-            dozen elementwise calls of :func:`_rope` for q and k: the same products and sums, so the same values up
-            to rounding. Returns a new tensor, or y rotated in place."""
+            batched matmul with each position's (d, d) rotation matrix per head (built once per forward: cos on the
+            diagonal, +-sin at the pair's other coordinate, the identity for the value heads), instead of the dozen
+            elementwise calls of :func:`_rope` for q and k: the same products and sums, so the same values up to
+            rounding; a new tensor. For more tokens, :func:`_rope` on the q and k heads of y in place."""
             B, T, h, d = y.shape
-            if B * T * d * d <= 1 << 20:
-                every = B * T * h * d * d <= 1 << 20  # a matrix per head: one matmul over all of y, no copy
-                key = (y.dtype, n, every)
+            shared = positions.dim() == 1  # one row of positions for every batch row: the rows share the matrices
+            if (1 if shared else B) * T * h * d * d <= 1 << 20:
+                key = (y.dtype, n, h)
                 mats = per_token.get(key)
                 if mats is None:
                     c, s = tables(y.dtype)  # (T, d) or (B, 1, T, d)
-                    c, s = (c[:, 0], s[:, 0]) if c.dim() == 4 else (c[None], s[None])  # (B|1, T, d)
-                    if every:  # (B|1, T, h, d): cos 1 and sin 0 on the value heads
-                        c = torch.cat([c[:, :, None].expand(-1, -1, n, -1), c.new_ones(c.shape[0], T, h - n, d)], 2)
-                        s = torch.cat([s[:, :, None].expand(-1, -1, n, -1), s.new_zeros(s.shape[0], T, h - n, d)], 2)
-                    else:
-                        c, s = c[:, :, None], s[:, :, None]  # (B|1, T, 1, d)
+                    c, s = (c[:, 0], s[:, 0]) if c.dim() == 4 else (c, s)  # (B, T, d) or (T, d)
+                    lead = c.shape[:-1]
+                    # cos 1 and sin 0 on the value heads: (..., h, d)
+                    c = torch.cat([c[..., None, :].expand(*lead, n, d), c.new_ones(*lead, h - n, d)], -2)
+                    s = torch.cat([s[..., None, :].expand(*lead, n, d), s.new_zeros(*lead, h - n, d)], -2)
                     mats = per_token[key] = torch.diag_embed(c) + _half_turn(d, y.dtype, y.device) * s[..., None, :]
-                if every:
-                    return torch.matmul(y.unsqueeze(-2), mats).squeeze(-2)
-                qk = y.narrow(2, 0, n)
-                qk.copy_(torch.matmul(qk.unsqueeze(-2), mats).squeeze(-2))
-            else:
-                c, s = tables(y.dtype)
-                c, s = (c[:, 0, :, None], s[:, 0, :, None]) if c.dim() == 4 else (c[:, None], s[:, None])
-                qk = y.narrow(2, 0, n)
-                qk.copy_(_rope(qk, c, s))
+                if shared:  # (T, h, B, d) @ (T, h, d, d): the batch rows are the matmul's rows, no copies of mats
+                    return torch.matmul(y.permute(1, 2, 0, 3), mats).permute(2, 0, 1, 3)
+                return torch.matmul(y.unsqueeze(-2), mats).squeeze(-2)  # (B, T, h, 1, d) @ (B, T, h, d, d)
+            c, s = tables(y.dtype)
+            c, s = (c[:, 0, :, None], s[:, 0, :, None]) if c.dim() == 4 else (c[:, None], s[:, None])
+            qk = y.narrow(2, 0, n)
+            qk.copy_(_rope(qk, c, s))
             return y
 
         rotate.heads = heads
