@@ -20,6 +20,8 @@ from pretune.train import loop
 mode, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 
 if mode in ("step", "sigint"):
+    if mode == "sigint":  # a suite started in the background (`make test &`) inherits SIGINT ignored, which the
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # trainer respects: the Ctrl-C of a terminal here
     train_step = loop.Trainer.train_step
 
     def patched(self):
