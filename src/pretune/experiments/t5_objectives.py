@@ -213,7 +213,7 @@ class T5Objectives(Experiment):
                 stats(s["metrics"].get("compute.steps", {}).get("values", []))[0])
 
     def table(self, results: Results) -> str:
-        head = ["pretraining objective", "steps", "PFLOPs", "runs", "test perplexity", "exact match", "ROUGE-L"]
+        head = ["pretraining objective", "steps", "PFLOPs", "runs", "test perplexity", "exact match", "ROUGE-L (0-100)"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         present = {name.rsplit("-s", 1)[0] for name in results.inputs.get("inits", {})}
         for obj, label in OBJECTIVES.items():
@@ -225,9 +225,10 @@ class T5Objectives(Experiment):
             cells += [fmt_stats(self._values(results, obj, m)) for m in OTHERS]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Finetuned on the WordNet reverse dictionary (gloss -> word); test perplexity of the target "
-                  "word's tokens (lower is better), exact match and ROUGE-L of the greedy output. Every objective "
-                  "pretrains the same number of steps; PFLOPs: each run's counted operations (the decoder reads the "
-                  "target, so objectives with short targets cost less)."]
+                  "word's tokens (lower is better), exact match (a fraction) and ROUGE-L (0-100, Hugging Face "
+                  "evaluate's x 100) of the greedy output. Every objective pretrains the same number of steps; "
+                  "PFLOPs: each run's counted operations (the decoder reads the target, so objectives with short "
+                  "targets cost less)."]
         return "\n".join(lines)
 
     def figure(self, results: Results, path: Path) -> Path | None:
