@@ -28,6 +28,7 @@ import torch
 from ..config import ConfigError
 from ..model import KVCache
 from ..model.cache import StaticKVCache
+from ..model.decode_step import FlatDecoder
 from ..model.layout import layout_of
 from .beam import beam_search
 
@@ -92,6 +93,9 @@ class Runner:
                 self.step = _compiled_step(dev)
         else:
             self.cache = KVCache(capacity=self.prompt_len + max_new_tokens) if use_cache else None
+        # eager steps after the prompt: a flat loop over the layers where the model allows one (the same logits)
+        self.flat: FlatDecoder | bool | None = None if self.cache is not None and not static_cache and not compile \
+            and not self.enc_dec else False
 
     def logits(self) -> torch.Tensor:
         """Next-token logits (B, vocab) in fp32 after the tokens so far."""
@@ -116,6 +120,13 @@ class Runner:
         else:
             mask = None if self.mask is None or static else self.mask[:, : self.length]  # static: the cache's
             pos = None if self.positions is None else self.positions[:, start: self.length].contiguous()
+            if start > 0 and self.flat is not False and x.shape[1] == 1:
+                if self.flat is None:  # built after the prompt ran (its stacked weights are cached by then)
+                    self.flat = FlatDecoder.of(self.model) or False
+                if self.flat:
+                    logits = self.flat.step(x.contiguous(), self.cache, mask, pos)
+                    self.fed = self.length
+                    return logits.float()
             extra = self.layout.prompt_kwargs(self.ids[:, : self.prompt_len]) if start == 0 else {}  # prefix LM
             logits = forward(self.model, x.contiguous(), mask, position_ids=pos, past_key_values=self.cache,
                              use_cache=self.cache is not None, logits_to_keep=1, **extra)

@@ -19,13 +19,17 @@ class LayerCache:
         self.reserve = capacity  # positions to allocate at the first append (0: just what it needs)
         self.length = 0  # positions cached so far
         self._kv: torch.Tensor | None = None  # (B, capacity, 2 * Hkv, Dh); [:, :length] is in use
+        self._k_all = self._v_all = None  # views of every column of _kv as (B, Hkv, capacity, Dh)
         self.cross_k: torch.Tensor | None = None  # (B, Hkv, T_enc, Dh)
         self.cross_v: torch.Tensor | None = None
 
-    def _views(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._kv.narrow(1, 0, end)  # (B, end, 2 * Hkv, Dh)
+    def _set(self, kv: torch.Tensor) -> None:
+        self._kv = kv
         h = kv.shape[2] // 2
-        return kv.narrow(2, 0, h).transpose(1, 2), kv.narrow(2, h, h).transpose(1, 2)  # (B, Hkv, end, Dh) each
+        self._k_all, self._v_all = kv.narrow(2, 0, h).transpose(1, 2), kv.narrow(2, h, h).transpose(1, 2)
+
+    def _views(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k_all.narrow(2, 0, end), self._v_all.narrow(2, 0, end)  # (B, Hkv, end, Dh) each
 
     @property
     def self_k(self) -> torch.Tensor | None:
@@ -47,13 +51,23 @@ class LayerCache:
         projection's heads); return every cached key and value, (B, Hkv, length + T, Dh) each."""
         end = self.length + kv.shape[1]
         if kv.requires_grad and torch.is_grad_enabled():  # autograd: never overwrite a tensor it saved
-            self._kv = kv if self._kv is None else torch.cat([self._kv[:, : self.length], kv], dim=1)
+            self._set(kv if self._kv is None else torch.cat([self._kv[:, : self.length], kv], dim=1))
         else:
             if self._kv is None or end > self._kv.shape[1]:
                 self._grow(kv, end)
             self._kv.narrow(1, self.length, end - self.length).copy_(kv)
         self.length = end
         return self._views(end)
+
+    def write_token(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`append_tokens` for one new token (B, 1, 2 * Hkv, Dh) outside autograd, into a buffer that has
+        room (a decoding step after the prompt, with ``KVCache(capacity=...)``); else the general path."""
+        end = self.length + 1
+        if self._kv is None or end > self._kv.shape[1] or kv.requires_grad:
+            return self.append_tokens(kv)
+        self._kv.select(1, self.length).copy_(kv.squeeze(1))
+        self.length = end
+        return self._k_all.narrow(2, 0, end), self._v_all.narrow(2, 0, end)
 
     def _grow(self, kv: torch.Tensor, need: int) -> None:
         old = 0 if self._kv is None else self._kv.shape[1]
@@ -62,7 +76,7 @@ class LayerCache:
         new = kv.new_empty(B, cap, H, D)
         if self._kv is not None:
             new[:, : self.length] = self._kv[:, : self.length]
-        self._kv = new
+        self._set(new)
 
     def reorder(self, index: torch.Tensor, *, cross: bool = True) -> None:
         """Keep batch rows ``index`` (B_new,) in that order: every cached tensor becomes tensor[index]
@@ -71,7 +85,7 @@ class LayerCache:
             if index.numel() == self._kv.shape[0] and not self._kv.requires_grad:  # beam search: rows in place
                 self._kv[:, : self.length] = self._kv[:, : self.length].index_select(0, index)
             else:
-                self._kv = self._kv.index_select(0, index)
+                self._set(self._kv.index_select(0, index))
         if cross and self.cross_k is not None:
             self.cross_k, self.cross_v = self.cross_k.index_select(0, index), self.cross_v.index_select(0, index)
 

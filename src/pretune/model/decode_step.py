@@ -1,0 +1,178 @@
+"""One eager decoding step of a plain decoder-only model as a flat loop over its layers.
+
+Generating one token at a time with a small model is dominated by the weight reads of a few matrix-vector
+products per layer; in eager PyTorch what comes on top is the framework: module calls, the checks a general
+forward makes on every call (cross-attention? adapters? prefix keys? soft-capping? a static cache?), and the
+small tensor ops between the products. ``FlatDecoder.of(model)`` looks at a model once, and if every part of it is
+one whose decoding step is known — pre-norm blocks of self-attention with plain ``nn.Linear`` projections and an
+FFN, norms and position modules from the registries, an LM head, no hooks, no PEFT wrappers, not training —
+returns a step that runs those layers as one loop over their weights: the same kernels in the same order as
+``TransformerLM.forward`` with a ``KVCache`` (so the same logits, bitwise), with the per-call checks made once.
+Anything else gets ``None`` and decodes through the model's forward.
+
+Used by ``pretune.generation`` for the steps after the prompt (one new token per row, a growing ``KVCache``);
+the prompt itself, scoring and training always run the model's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, build_mask
+from .cache import KVCache
+from .heads import LMHead
+from .layers import FeedForward, RMSNorm
+from .transformer import Block, Stack
+
+_NORMS = (RMSNorm, nn.LayerNorm, nn.Identity)  # RMSNorm covers RMSNormPlusOne (a subclass with its own forward)
+
+
+class _Layer:
+    """What one block's decoding step needs, read once: the norms' forwards, the stacked q/k/v and gate/up
+    weights (the same stacked copies ``FusedLinears`` caches for the module path), the output projections."""
+
+    __slots__ = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "heads", "kv_heads", "dh", "scale", "gqa", "norm2",
+                 "gated", "act", "up_w", "up_b", "down_w", "down_b", "local")
+
+    def __init__(self, block: Block, local: bool):
+        attn, ffn = block.attn, block.ffn
+        self.norm1, self.norm2 = block.attn_norm.forward, block.ffn_norm.forward
+        self.qkv_w, self.qkv_b = attn._qkv.weights((attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.heads, self.kv_heads, self.dh = attn.n_heads, attn.n_kv_heads, attn.dh
+        self.scale, self.gqa = attn.scale, attn.n_kv_heads != attn.n_heads
+        self.gated, self.act = ffn.gate_proj is not None, ffn.act
+        if self.gated:
+            self.up_w, self.up_b = ffn._gate_up.weights((ffn.gate_proj, ffn.up_proj))
+        else:
+            self.up_w, self.up_b = ffn.up_proj.weight, ffn.up_proj.bias
+        self.down_w, self.down_b = ffn.down_proj.weight, ffn.down_proj.bias
+        self.local = local
+
+
+def _why_not(model: nn.Module) -> str | None:
+    """None when ``model`` decodes with :class:`FlatDecoder`; else the first part that does not (a reason, for
+    tests and debugging)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or cfg.arch != "decoder":
+        return "not a decoder-only model"
+    if model.training:
+        return "in training mode"
+    if not isinstance(model.head, LMHead):
+        return "no LM head"
+    stack = model.transformer.decoder
+    if type(stack) is not Stack or stack.extra_inputs is not None:
+        return "extra input embeddings (prompt tuning)"
+    if stack.token_type is not None or stack.embed_norm is not None or stack.embed_proj is not None:
+        return "token types, an embedding norm or an embedding projection"
+    if stack.position.has_bias or stack.position.has_scores:
+        return f"a position term in the scores ({type(stack.position).__name__})"
+    if stack.norm is not None and not isinstance(stack.norm, _NORMS):
+        return f"final norm {type(stack.norm).__name__}"
+    for block in stack.layers:
+        if type(block) is not Block or not block.pre_norm or block.cross_attn is not None:
+            return "a block that is not pre-norm self-attention + FFN"
+        if block.attn_post_norm is not None or block.ffn_post_norm is not None:
+            return "sandwich norms"
+        attn, ffn = block.attn, block.ffn
+        if (type(attn) is not Attention or attn.softcap is not None or attn.extra_kv is not None
+                or attn.q_norm is not None):
+            return "attention with soft-capping, extra keys (prefix tuning) or per-head q/k norms"
+        if type(ffn) is not FeedForward:
+            return f"FFN {type(ffn).__name__}"
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ffn.up_proj, ffn.down_proj]
+        linears += [ffn.gate_proj] if ffn.gate_proj is not None else []
+        if any(type(m) is not nn.Linear for m in linears):
+            return "a wrapped projection (a PEFT method)"
+        if len({m.bias is None for m in linears[:3]}) > 1 or (
+                ffn.gate_proj is not None and (ffn.gate_proj.bias is None) != (ffn.up_proj.bias is None)):
+            return "some fused projections with a bias and some without"
+        if not isinstance(block.attn_norm, _NORMS) or not isinstance(block.ffn_norm, _NORMS):
+            return "a norm outside the registry"
+    for m in model.modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"a forward hook on {type(m).__name__}"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "a global forward hook"
+    return None
+
+
+class FlatDecoder:
+    """``step(ids, cache, attention_mask, position_ids)``: next-token logits (B, vocab) for one new token per row,
+    given a ``KVCache`` that holds every earlier token (the prompt ran through the model's forward), exactly as
+    ``model(ids, attention_mask, position_ids=..., past_key_values=cache, use_cache=True,
+    logits_to_keep=1).logits[:, -1]`` computes them. Build with :meth:`of`; valid while the weights do not change
+    (one generation)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        stack: Stack = model.transformer.decoder
+        self.stack = stack
+        self.embed = model.transformer.embed
+        n = stack.n_layers
+        blocks = [stack.layers[i % len(stack.layers)] for i in range(n)]
+        self.layers = [_Layer(b, i in stack.local) for i, b in enumerate(blocks)]
+        self.norm = stack.norm.forward if stack.norm is not None else None
+        self.head = model.head.forward
+
+    @staticmethod
+    def of(model: nn.Module) -> FlatDecoder | None:
+        """The flat step for ``model``, or None when some part of it needs the model's own forward."""
+        return FlatDecoder(model) if _why_not(model) is None else None
+
+    def step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: (B, 1) the newest token of each row; attention_mask: (B, past + 1) 1 = real token (left padding),
+        or None; position_ids: (B, 1), or None for column ``past``. Returns logits (B, vocab)."""
+        stack = self.stack
+        B, T = ids.shape
+        past = cache.length
+        x = self.embed(ids)
+        if stack.embed_scale is not None:
+            x = x * torch.tensor(stack.embed_scale, dtype=x.dtype)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=x.device)
+        x = stack.position.add(x, position_ids)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None
+        masks = dict(q_len=T, k_len=past + T, q_offset=past, causal=True, key_padding=attention_mask,
+                     device=x.device)
+        n_local = sum(layer.local for layer in self.layers)
+        full = build_mask(**masks)[0] if n_local < len(self.layers) else None
+        local = build_mask(**masks, window=stack.window)[0] if n_local else None
+        rotations = (None, None)
+        if stack.position.has_rotation:
+            rotate = stack.position.rotation(position_ids)
+            rotations = (rotate, rotate if stack.local_position is None else
+                         stack.local_position.rotation(position_ids))
+        caches = [cache.layer(i) for i in range(len(self.layers))]
+        sdpa, linear = F.scaled_dot_product_attention, F.linear
+        for layer, lc in zip(self.layers, caches):
+            mask = local if layer.local else full
+            rotate = rotations[layer.local]
+            H, Hkv, dh = layer.heads, layer.kv_heads, layer.dh
+            # attention: x + o(attend(rope(qkv(norm(x)))))
+            y = linear(layer.norm1(x), layer.qkv_w, layer.qkv_b).unflatten(-1, (-1, dh))  # (B, T, H + 2 Hkv, Dh)
+            if mask is not None and mask.dtype != y.dtype:  # (under autocast the projections' dtype, as attention)
+                mask = mask.to(y.dtype)
+            if rotate is not None:
+                y = rotate.heads(y, H + Hkv)
+            k, v = lc.write_token(y.narrow(2, H, 2 * Hkv)) if T == 1 else lc.append_tokens(y.narrow(2, H, 2 * Hkv))
+            a = sdpa(y.narrow(2, 0, H).transpose(1, 2), k, v, mask, 0.0, False, scale=layer.scale,
+                     enable_gqa=layer.gqa)  # (B, H, T, Dh)
+            # (B, H, 1, Dh) -> (B, 1, H * Dh): for one token the heads' order is the token-major order
+            a = a.reshape(B, T, H * dh) if T == 1 else a.transpose(1, 2).reshape(B, T, H * dh)
+            x = x + linear(a, layer.o_w, layer.o_b)
+            # FFN: x + down(act(gate) * up) or x + down(act(up))
+            h = linear(layer.norm2(x), layer.up_w, layer.up_b)
+            if layer.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = layer.act(gate) * up
+            else:
+                h = layer.act(h)
+            x = x + linear(h, layer.down_w, layer.down_b)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x[:, -1:])[:, -1]

@@ -1,0 +1,151 @@
+"""The flat decoding step (model/decode_step.py): which models get it, and that it computes exactly what the model's
+forward computes — bitwise — for every family it accepts, on left-padded batches; generation through it gives the
+tokens generation through the forward gives (greedy, sampling, beam search)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decoder_fixtures import V, ids, perturbed
+
+import pretune.generation.decode as decode
+from pretune import KVCache, ModelConfig, peft
+from pretune.generation import generate
+from pretune.model.decode_step import FlatDecoder, _why_not
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(arch="decoder", head="lm", vocab_size=V, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                max_seq_len=64, dropout=0.0, attn_dropout=0.0, position="rope", norm="rmsnorm", norm_eps=1e-6,
+                norm_placement="pre", ffn="swiglu", bias=False, embed_norm=False, token_types=0)
+    return ModelConfig(**{**base, **kw})
+
+
+FAMILIES = {  # what each family changes in the decoding step
+    "llama": {},
+    "llama-untied": dict(tie_embeddings=False),
+    "qwen2": dict(qkv_bias=True),  # biases on q/k/v only
+    "gemma": dict(norm="rmsnorm_plus_one", scale_embeddings=True, ffn="geglu_tanh", head_dim=12),
+    "mistral": dict(sliding_window=4),  # every layer local; rows below are longer than the window
+    "alternating-window": dict(sliding_window=4, sliding_layers=[0, 2], rope_local_base=100.0),
+    "gpt2": dict(position="learned", norm="layernorm", norm_eps=1e-5, ffn="gelu_tanh", bias=True, n_kv_heads=None),
+    "no-positions": dict(position="none", ffn="relu"),
+}
+
+
+def _padded(B=3, T=7):
+    x = ids(B, T)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[2, :1] = 0
+    return x, mask
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_flat_step_is_bitwise_the_forward_with_a_cache(family):
+    model = perturbed(tiny(**FAMILIES[family]))
+    assert _why_not(model) is None
+    x, mask = _padded()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
+        for cache in (ours, theirs):
+            model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        flat = FlatDecoder.of(model)
+        token, p = x[:, -1:], pos[:, -1:]
+        for _ in range(6):  # past the sliding window
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            p = p + 1
+            want = model(token, mask, position_ids=p, past_key_values=theirs, use_cache=True,
+                         logits_to_keep=1).logits[:, -1]
+            got = flat.step(token, ours, mask, p)
+            assert torch.equal(got, want)
+            token = want.argmax(-1, keepdim=True)
+        assert ours.length == theirs.length == 13
+
+
+def test_flat_step_without_padding_or_positions_given():
+    model = perturbed(tiny())
+    x = ids(2, 5)
+    with torch.inference_mode():
+        ours, theirs = KVCache(), KVCache()  # no reserved capacity: the buffers grow
+        for cache in (ours, theirs):
+            model(x, past_key_values=cache, use_cache=True)
+        flat = FlatDecoder.of(model)
+        for t in range(4):
+            token = x[:, t:t + 1]
+            want = model(token, past_key_values=theirs, use_cache=True).logits[:, -1]
+            assert torch.equal(flat.step(token, ours), want)
+
+
+NOT_FLAT = {
+    "sandwich norms (Gemma 2)": dict(norm_placement="sandwich"),
+    "soft-capped attention": dict(attn_softcap=50.0),
+    "per-head q/k norms (Qwen3)": dict(qk_norm=True),
+    "post-norm": dict(norm_placement="post"),
+    "ALiBi": dict(position="alibi"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(NOT_FLAT))
+def test_models_the_flat_step_does_not_cover_decode_through_the_forward(what):
+    model = perturbed(tiny(**NOT_FLAT[what]))
+    assert _why_not(model) is not None and FlatDecoder.of(model) is None
+
+
+def test_training_mode_hooks_and_peft_wrappers_keep_the_forward():
+    model = perturbed(tiny())
+    assert FlatDecoder.of(model) is not None
+    model.train()
+    assert "training" in _why_not(model)
+    model.eval()
+    handle = model.transformer.decoder.layers[1].ffn.register_forward_hook(lambda *a: None)
+    assert "hook" in _why_not(model)
+    handle.remove()
+    assert _why_not(model) is None
+    for method in ("lora", "ia3", "prefix", "prompt"):
+        wrapped = perturbed(tiny())
+        peft.inject(wrapped, peft.PeftConfig(method=method, r=2, n_virtual=3), seed=0)
+        assert FlatDecoder.of(wrapped.eval()) is None, method
+    encdec = perturbed(tiny(arch="encoder-decoder", n_decoder_layers=2, position="relative"))
+    assert FlatDecoder.of(encdec) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20, seed=3), dict(num_beams=3)],
+                         ids=["greedy", "sampling", "beam"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+def test_generate_takes_the_flat_step_and_gives_the_same_tokens(monkeypatch, family, kwargs):
+    model = perturbed(tiny(**FAMILIES[family]))
+    x, mask = _padded()
+    steps = []
+    real_step = FlatDecoder.step
+
+    def counted(self, *a, **k):
+        steps.append(1)
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(FlatDecoder, "step", counted)
+    fast = generate(model, x, mask, max_new_tokens=8, min_new_tokens=8, **kwargs)
+    assert len(steps) == 7  # every step after the prompt
+    monkeypatch.setattr(decode.FlatDecoder, "of", staticmethod(lambda m: None))
+    plain = generate(model, x, mask, max_new_tokens=8, min_new_tokens=8, **kwargs)
+    assert len(steps) == 7
+    assert torch.equal(fast, plain)
+
+
+def test_write_token_is_append_tokens_for_one_token():
+    from pretune.model.cache import LayerCache
+
+    a, b = LayerCache(capacity=6), LayerCache(capacity=6)
+    first = torch.randn(2, 3, 4, 5)
+    a.append_tokens(first)
+    b.append_tokens(first)
+    for _ in range(5):  # the fourth write outgrows the capacity: write_token falls back and grows
+        kv = torch.randn(2, 1, 4, 5)
+        ka, va = a.append_tokens(kv)
+        kb, vb = b.write_token(kv)
+        assert torch.equal(ka, kb) and torch.equal(va, vb) and kb.shape == (2, 2, a.length, 5)
+    b.reorder(torch.tensor([1, 0]))
+    a.reorder(torch.tensor([1, 0]))
+    kv = torch.randn(2, 1, 4, 5)
+    assert all(torch.equal(p, q) for p, q in zip(a.append_tokens(kv), b.write_token(kv)))
