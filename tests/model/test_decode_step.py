@@ -149,3 +149,29 @@ def test_write_token_is_append_tokens_for_one_token():
     a.reorder(torch.tensor([1, 0]))
     kv = torch.randn(2, 1, 4, 5)
     assert all(torch.equal(p, q) for p, q in zip(a.append_tokens(kv), b.write_token(kv)))
+
+
+# Every ModelConfig field, with what the flat step does about it. A new field fails this test until it is added
+# here — after checking that FlatDecoder either computes it as the forward does or refuses it in _why_not.
+CONSIDERED = {
+    # the same in the flat step as in the forward (it reads the modules the field built)
+    "dim", "n_heads", "n_kv_heads", "head_dim", "n_layers", "ffn", "ffn_dim", "bias", "qkv_bias", "norm",
+    "norm_eps", "norm_bias", "vocab_size", "tie_embeddings", "tied_logit_scale", "logit_bias", "logit_softcap",
+    "embed_dim", "scale_embeddings", "position", "position_offset", "max_seq_len", "rope_base", "rope_scaling",
+    "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+    "rope_local_base", "sliding_window", "sliding_layers", "share_layers", "first_attn_norm", "attn_scale",
+    # inactive at inference, or outside one decoding step of a decoder's LM logits
+    "dropout", "attn_dropout", "classifier_dropout", "pad_token_id", "eos_token_id", "decoder_start_token_id",
+    "forced_bos_token_id", "forced_eos_token_id", "decoder_layout", "pooler", "pooling", "pair_head",
+    "num_labels", "labels", "multi_label", "cls_act", "task_stack", "head_act", "head_dense_bias",
+    "head_transform", "n_decoder_layers", "share_encoder_decoder", "relative_buckets", "relative_max_distance",
+    "max_relative_positions", "position_buckets",
+    # refused by _why_not (checked on the modules they build)
+    "arch", "head", "norm_placement", "attn_softcap", "qk_norm", "embed_norm", "token_types",
+}
+
+
+def test_every_config_field_is_considered_by_the_flat_step():
+    import dataclasses
+
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == CONSIDERED
