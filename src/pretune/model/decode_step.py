@@ -4,8 +4,9 @@ Generating one token at a time with a small model is dominated by the weight rea
 products per layer; in eager PyTorch what comes on top is the framework: module calls, the checks a general
 forward makes on every call (cross-attention? adapters? prefix keys? soft-capping? a static cache?), and the
 small tensor ops between the products. ``FlatDecoder.of(model)`` looks at a model once, and if every part of it is
-one whose decoding step is known — pre-norm blocks of self-attention with plain ``nn.Linear`` projections and an
-FFN, norms and position modules from the registries, an LM head, no hooks, no PEFT wrappers, not training —
+one whose decoding step is known — pre-norm (or sandwich-norm) blocks of self-attention with plain ``nn.Linear``
+projections and an FFN, norms and position modules from the registries (per-head q/k norms and soft-capped scores
+through the attention's own methods), an LM head, no hooks, no PEFT wrappers, not training —
 returns a step that runs those layers as one loop over their weights: the same kernels in the same order as
 ``TransformerLM.forward`` with a ``KVCache`` (so the same logits, bitwise), with the per-call checks made once.
 Anything else gets ``None`` and decodes through the model's forward.
@@ -34,11 +35,18 @@ class _Layer:
     weights (the same stacked copies ``FusedLinears`` caches for the module path), the output projections."""
 
     __slots__ = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "heads", "kv_heads", "dh", "scale", "gqa", "norm2",
-                 "gated", "act", "up_w", "up_b", "down_w", "down_b", "local")
+                 "gated", "act", "up_w", "up_b", "down_w", "down_b", "local", "project", "attend", "post1", "post2")
 
     def __init__(self, block: Block, local: bool):
         attn, ffn = block.attn, block.ffn
         self.norm1, self.norm2 = block.attn_norm.forward, block.ffn_norm.forward
+        # sandwich norms (Gemma 2): each branch's output is normalised before the residual sum
+        self.post1 = block.attn_post_norm.forward if block.attn_post_norm is not None else None
+        self.post2 = block.ffn_post_norm.forward if block.ffn_post_norm is not None else None
+        # per-head q/k norms (Qwen3): the attention's own general projection (q, k, v as (B, heads, T, Dh))
+        self.project = attn._project_qkv if attn.q_norm is not None else None
+        # soft-capped scores (Gemma 2): the attention's own eager path instead of SDPA
+        self.attend = attn._attend_eager if attn.softcap is not None else None
         self.qkv_w, self.qkv_b = attn._qkv.weights((attn.q_proj, attn.k_proj, attn.v_proj))
         self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
         self.heads, self.kv_heads, self.dh = attn.n_heads, attn.n_kv_heads, attn.dh
@@ -73,13 +81,14 @@ def _why_not(model: nn.Module) -> str | None:
         return f"final norm {type(stack.norm).__name__}"
     for block in stack.layers:
         if type(block) is not Block or not block.pre_norm or block.cross_attn is not None:
-            return "a block that is not pre-norm self-attention + FFN"
-        if block.attn_post_norm is not None or block.ffn_post_norm is not None:
-            return "sandwich norms"
+            return "a block that is not pre-norm (or sandwich) self-attention + FFN"
         attn, ffn = block.attn, block.ffn
-        if (type(attn) is not Attention or attn.softcap is not None or attn.extra_kv is not None
-                or attn.q_norm is not None):
-            return "attention with soft-capping, extra keys (prefix tuning) or per-head q/k norms"
+        if type(attn) is not Attention or attn.extra_kv is not None:
+            return "attention with extra keys (prefix tuning)"
+        if attn.q_norm is not None and not (isinstance(attn.q_norm, _NORMS) and isinstance(attn.k_norm, _NORMS)):
+            return "per-head q/k norms outside the registry"
+        if any(n is not None and not isinstance(n, _NORMS) for n in (block.attn_post_norm, block.ffn_post_norm)):
+            return "a sandwich norm outside the registry"
         if type(ffn) is not FeedForward:
             return f"FFN {type(ffn).__name__}"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ffn.up_proj, ffn.down_proj]
@@ -153,18 +162,30 @@ class FlatDecoder:
             mask = local if layer.local else full
             rotate = rotations[layer.local]
             H, Hkv, dh = layer.heads, layer.kv_heads, layer.dh
-            # attention: x + o(attend(rope(qkv(norm(x)))))
-            y = linear(layer.norm1(x), layer.qkv_w, layer.qkv_b).unflatten(-1, (-1, dh))  # (B, T, H + 2 Hkv, Dh)
-            if mask is not None and mask.dtype != y.dtype:  # (under autocast the projections' dtype, as attention)
-                mask = mask.to(y.dtype)
-            if rotate is not None:
-                y = rotate.heads(y, H + Hkv)
-            k, v = lc.write_token(y.narrow(2, H, 2 * Hkv)) if T == 1 else lc.append_tokens(y.narrow(2, H, 2 * Hkv))
-            a = sdpa(y.narrow(2, 0, H).transpose(1, 2), k, v, mask, 0.0, False, scale=layer.scale,
-                     enable_gqa=layer.gqa)  # (B, H, T, Dh)
+            # attention: x + [post](o(attend(rope(qkv(norm(x))))))
+            h = layer.norm1(x)
+            if layer.project is None:  # the fused path: token-major heads (B, T, H + 2 Hkv, Dh)
+                y = linear(h, layer.qkv_w, layer.qkv_b).unflatten(-1, (-1, dh))
+                if rotate is not None:
+                    y = rotate.heads(y, H + Hkv)
+                kv = y.narrow(2, H, 2 * Hkv)
+                k, v = lc.write_token(kv) if T == 1 else lc.append_tokens(kv)
+                q = y.narrow(2, 0, H).transpose(1, 2)
+            else:  # per-head q/k norms: the attention's general path, (B, H, T, Dh) and (B, Hkv, T, Dh)
+                q, k, v = layer.project(h)
+                if rotate is not None:
+                    q, k = rotate(q, k, position_ids)
+                k, v = lc.append(k, v)
+            if mask is not None and mask.dtype != q.dtype:  # (under autocast the projections' dtype, as attention)
+                mask = mask.to(q.dtype)
+            if layer.attend is None:
+                a = sdpa(q, k, v, mask, 0.0, False, scale=layer.scale, enable_gqa=layer.gqa)  # (B, H, T, Dh)
+            else:
+                a = layer.attend(q, k, v, mask, False)
             # (B, H, 1, Dh) -> (B, 1, H * Dh): for one token the heads' order is the token-major order
             a = a.reshape(B, T, H * dh) if T == 1 else a.transpose(1, 2).reshape(B, T, H * dh)
-            x = x + linear(a, layer.o_w, layer.o_b)
+            a = linear(a, layer.o_w, layer.o_b)
+            x = x + (a if layer.post1 is None else layer.post1(a))
             # FFN: x + down(act(gate) * up) or x + down(act(up))
             h = linear(layer.norm2(x), layer.up_w, layer.up_b)
             if layer.gated:
@@ -172,7 +193,8 @@ class FlatDecoder:
                 h = layer.act(gate) * up
             else:
                 h = layer.act(h)
-            x = x + linear(h, layer.down_w, layer.down_b)
+            h = linear(h, layer.down_w, layer.down_b)
+            x = x + (h if layer.post2 is None else layer.post2(h))
         if self.norm is not None:
             x = self.norm(x)
         return self.head(x[:, -1:])[:, -1]
