@@ -178,3 +178,29 @@ def test_every_config_field_is_considered_by_the_flat_step():
     import dataclasses
 
     assert {f.name for f in dataclasses.fields(ModelConfig)} == CONSIDERED
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("precision", ["bf16-weights", "bf16-autocast"])
+def test_flat_step_is_bitwise_the_forward_in_bf16(family, precision):
+    model = perturbed(tiny(**FAMILIES[family]))
+    if precision == "bf16-weights":
+        model = model.to(torch.bfloat16)
+    x, mask = _padded()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast")
+    with torch.inference_mode(), autocast:
+        ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
+        for cache in (ours, theirs):
+            model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        flat = FlatDecoder.of(model)
+        token, p = x[:, -1:], pos[:, -1:]
+        for _ in range(5):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            p = p + 1
+            want = model(token, mask, position_ids=p, past_key_values=theirs, use_cache=True,
+                         logits_to_keep=1).logits[:, -1]
+            got = flat.step(token, ours, mask, p)
+            assert got.dtype == want.dtype == torch.bfloat16
+            assert torch.equal(got, want)
+            token = want.argmax(-1, keepdim=True)

@@ -168,3 +168,20 @@ def test_task_heads_ignore_the_logit_softcap():
 def test_bad_gemma_options_are_refused(bad, match):
     with pytest.raises(ConfigError, match=match):
         tiny(**bad)
+
+
+def test_left_padded_batch_in_bf16_with_soft_capped_attention_stays_finite():
+    """The fp32 minimum on hidden keys is -inf in bf16: a padding query (every key hidden) gave NaN, and its NaN
+    values reached the real queries through the eager (soft-capped) attention. The mask is clamped to bf16's own
+    minimum, so every real position is finite and matches its row run without padding."""
+    cfg = tiny(**GEMMA, norm_placement="sandwich", attn_softcap=50.0, logit_softcap=30.0)
+    model = build_model(cfg).to(torch.bfloat16).eval()
+    x = torch.randint(1, V, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batch = model(x, mask, position_ids=pos).logits.float()
+        alone = model(x[1:, 2:]).logits.float()
+    assert torch.isfinite(batch[0]).all() and torch.isfinite(batch[1, 2:]).all()
+    torch.testing.assert_close(batch[1, 2:], alone[0], atol=0.05, rtol=0.02)

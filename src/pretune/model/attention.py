@@ -129,7 +129,7 @@ class Attention(nn.Module):
         if self.extra_kv is not None:
             k, v, mask, is_causal = self.extra_kv(k, v, mask, is_causal, q.shape[2])
         if mask is not None and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
+            mask = cast_mask(mask, q.dtype)
         if self.softcap is not None or (self.training and self.dropout > 0):
             out = self._attend_eager(q, k, v, mask, is_causal)
         else:
@@ -165,6 +165,15 @@ class Attention(nn.Module):
             return probs @ v  # (B, H, T, Dh)
         keep = _keep_mask(probs.shape, self.dropout, probs.device)
         return (torch.where(keep, probs, 0.0) @ v) * (1.0 / (1.0 - self.dropout))  # (B, H, T, Dh)
+
+
+def cast_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask in the attention's dtype. The fp32 minimum that ``build_mask`` puts on hidden keys becomes
+    -inf in bf16 and fp16; a row with every key hidden (a padding query) would then turn into NaN in a softmax, and
+    the NaN keys and values it leaves in a KV cache reach the real queries later (0 * NaN), so values below the
+    dtype's own minimum are clamped to it (as transformers' masks use ``finfo(dtype).min``)."""
+    mask = mask.to(dtype)
+    return mask.clamp_(min=torch.finfo(dtype).min) if dtype.is_floating_point and dtype.itemsize < 4 else mask
 
 
 def build_mask(

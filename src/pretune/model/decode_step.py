@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, build_mask
+from .attention import Attention, build_mask, cast_mask
 from .cache import KVCache
 from .heads import LMHead
 from .layers import FeedForward, RMSNorm
@@ -177,7 +177,7 @@ class FlatDecoder:
                     q, k = rotate(q, k, position_ids)
                 k, v = lc.append(k, v)
             if mask is not None and mask.dtype != q.dtype:  # (under autocast the projections' dtype, as attention)
-                mask = mask.to(q.dtype)
+                mask = cast_mask(mask, q.dtype)
             if layer.attend is None:
                 a = sdpa(q, k, v, mask, 0.0, False, scale=layer.scale, enable_gqa=layer.gqa)  # (B, H, T, Dh)
             else:
