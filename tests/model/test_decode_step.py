@@ -45,13 +45,36 @@ def _padded(B=3, T=7):
     return x, mask
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+PEFT = {  # methods that change the step's parts: each goes through the wrapped part's own method
+    "lora-all-linear": dict(method="lora", r=2, targets=["all-linear"]),
+    "lora-qv-dora": dict(method="lora", r=2, dora=True),
+    "lora-bf16-base": dict(method="lora", r=2, targets=["all-linear"], base_dtype="bf16"),
+    "ia3": dict(method="ia3"),
+    "adapter": dict(method="adapter", reduction_factor=4),
+    "bitfit": dict(method="bitfit"),
+}
+
+
+def _model(family: str):
+    if family.startswith("peft:"):
+        model = perturbed(tiny(**FAMILIES["qwen2"]))
+        peft.inject(model, peft.PeftConfig(**PEFT[family[5:]]), seed=0)
+        with torch.no_grad():  # LoRA's B and the adapters' up projections start at 0: make them count
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.dtype) * 0.1)
+        return model.eval()
+    return perturbed(tiny(**FAMILIES[family]))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES) + [f"peft:{m}" for m in sorted(PEFT)])
 def test_flat_step_is_bitwise_the_forward_with_a_cache(family):
-    model = perturbed(tiny(**FAMILIES[family]))
+    model = _model(family)
     assert _why_not(model) is None
     x, mask = _padded()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.inference_mode():
+    bf16_base = torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16-base" in family)  # (what it runs under)
+    with torch.inference_mode(), bf16_base:
         ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
         for cache in (ours, theirs):
             model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -95,7 +118,7 @@ def test_models_the_flat_step_does_not_cover_decode_through_the_forward(what):
     assert _why_not(model) is not None and FlatDecoder.of(model) is None
 
 
-def test_training_mode_hooks_and_peft_wrappers_keep_the_forward():
+def test_training_mode_hooks_prefixes_and_soft_prompts_keep_the_forward():
     model = perturbed(tiny())
     assert FlatDecoder.of(model) is not None
     model.train()
@@ -105,9 +128,9 @@ def test_training_mode_hooks_and_peft_wrappers_keep_the_forward():
     assert "hook" in _why_not(model)
     handle.remove()
     assert _why_not(model) is None
-    for method in ("lora", "ia3", "prefix", "prompt"):
+    for method in ("prefix", "prompt"):  # extra keys in every layer / extra input positions
         wrapped = perturbed(tiny())
-        peft.inject(wrapped, peft.PeftConfig(method=method, r=2, n_virtual=3), seed=0)
+        peft.inject(wrapped, peft.PeftConfig(method=method, n_virtual=3), seed=0)
         assert FlatDecoder.of(wrapped.eval()) is None, method
     encdec = perturbed(tiny(arch="encoder-decoder", n_decoder_layers=2, position="relative"))
     assert FlatDecoder.of(encdec) is None
@@ -115,9 +138,10 @@ def test_training_mode_hooks_and_peft_wrappers_keep_the_forward():
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20, seed=3), dict(num_beams=3)],
                          ids=["greedy", "sampling", "beam"])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen3", "gemma2", "peft:lora-all-linear",
+                                    "peft:adapter"])
 def test_generate_takes_the_flat_step_and_gives_the_same_tokens(monkeypatch, family, kwargs):
-    model = perturbed(tiny(**FAMILIES[family]))
+    model = _model(family)
     x, mask = _padded()
     steps = []
     real_step = FlatDecoder.step

@@ -3,13 +3,14 @@
 Generating one token at a time with a small model is dominated by the weight reads of a few matrix-vector
 products per layer; in eager PyTorch what comes on top is the framework: module calls, the checks a general
 forward makes on every call (cross-attention? adapters? prefix keys? soft-capping? a static cache?), and the
-small tensor ops between the products. ``FlatDecoder.of(model)`` looks at a model once, and if every part of it is
-one whose decoding step is known — pre-norm (or sandwich-norm) blocks of self-attention with plain ``nn.Linear``
-projections and an FFN, norms and position modules from the registries (per-head q/k norms and soft-capped scores
-through the attention's own methods), an LM head, no hooks, no PEFT wrappers, not training —
-returns a step that runs those layers as one loop over their weights: the same kernels in the same order as
-``TransformerLM.forward`` with a ``KVCache`` (so the same logits, bitwise), with the per-call checks made once.
-Anything else gets ``None`` and decodes through the model's forward.
+small tensor ops between the products. ``FlatDecoder.of(model)`` looks at a decoder-only model once and returns a
+step that runs its layers as one loop: pre-norm (or sandwich-norm) blocks of self-attention and an FFN with norms
+and position modules from the registries and an LM head, the plain projections as matmuls over their (stacked)
+weights, and every part the loop does not compute itself — a LoRA or (IA)3 wrapper on a projection, an adapter on
+a branch, per-head q/k norms, soft-capped scores — through that part's own method, as the forward calls it. The same
+kernels in the same order as ``TransformerLM.forward`` with a ``KVCache``, so the same logits, bitwise; the per-call
+checks are made once. A model with anything else (cross-attention, post-norm, position biases, prefix or prompt
+tuning, hooks, training mode) gets ``None`` and decodes through its forward.
 
 Used by ``pretune.generation`` for the steps after the prompt (one new token per row, a growing ``KVCache``);
 the prompt itself, scoring and training always run the model's forward.
@@ -24,18 +25,27 @@ from torch import nn
 from .attention import Attention, build_mask, cast_mask
 from .cache import KVCache
 from .heads import LMHead
-from .layers import FeedForward, RMSNorm
+from .layers import Dropout, FeedForward, RMSNorm
 from .transformer import Block, Stack
 
 _NORMS = (RMSNorm, nn.LayerNorm, nn.Identity)  # RMSNorm covers RMSNormPlusOne (a subclass with its own forward)
 
 
+def _plain(*linears: nn.Module) -> bool:
+    """Plain ``nn.Linear`` layers that ``FusedLinears`` stacks into one matmul (all with a bias or none)."""
+    return all(type(m) is nn.Linear for m in linears) and len({m.bias is None for m in linears}) == 1
+
+
 class _Layer:
     """What one block's decoding step needs, read once: the norms' forwards, the stacked q/k/v and gate/up
-    weights (the same stacked copies ``FusedLinears`` caches for the module path), the output projections."""
+    weights (the same stacked copies ``FusedLinears`` caches for the module path), the output projections. Where
+    the block has a part the lean path does not compute itself — a PEFT wrapper on a projection, per-head q/k
+    norms, soft-capped scores, an adapter on a branch's output — the step calls that part's own method, as the
+    forward does."""
 
-    __slots__ = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "heads", "kv_heads", "dh", "scale", "gqa", "norm2",
-                 "gated", "act", "up_w", "up_b", "down_w", "down_b", "local", "project", "attend", "post1", "post2")
+    __slots__ = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "o", "heads", "kv_heads", "dh", "scale", "gqa", "norm2",
+                 "gated", "act", "up_w", "up_b", "down_w", "down_b", "ffn", "local", "project", "attend", "post1",
+                 "post2", "drop1", "drop2")
 
     def __init__(self, block: Block, local: bool):
         attn, ffn = block.attn, block.ffn
@@ -43,20 +53,32 @@ class _Layer:
         # sandwich norms (Gemma 2): each branch's output is normalised before the residual sum
         self.post1 = block.attn_post_norm.forward if block.attn_post_norm is not None else None
         self.post2 = block.ffn_post_norm.forward if block.ffn_post_norm is not None else None
-        # per-head q/k norms (Qwen3): the attention's own general projection (q, k, v as (B, heads, T, Dh))
-        self.project = attn._project_qkv if attn.q_norm is not None else None
+        # a branch's output stage: a Dropout does nothing here; anything else (a Houlsby adapter) runs
+        self.drop1 = None if type(block.attn_drop) is Dropout else block.attn_drop.forward
+        self.drop2 = None if type(block.ffn_drop) is Dropout else block.ffn_drop.forward
+        # the attention's own general projection (q, k, v as (B, heads, T, Dh)) where its fused path does not apply:
+        # per-head q/k norms (Qwen3), wrapped projections (LoRA, (IA)3), biases on some of q/k/v only
+        self.project = None
+        if attn.q_norm is not None or not _plain(attn.q_proj, attn.k_proj, attn.v_proj):
+            self.project = attn._project_qkv
+        else:
+            self.qkv_w, self.qkv_b = attn._qkv.weights((attn.q_proj, attn.k_proj, attn.v_proj))
         # soft-capped scores (Gemma 2): the attention's own eager path instead of SDPA
         self.attend = attn._attend_eager if attn.softcap is not None else None
-        self.qkv_w, self.qkv_b = attn._qkv.weights((attn.q_proj, attn.k_proj, attn.v_proj))
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.o = None if type(attn.o_proj) is nn.Linear else attn.o_proj.forward
+        if self.o is None:
+            self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
         self.heads, self.kv_heads, self.dh = attn.n_heads, attn.n_kv_heads, attn.dh
         self.scale, self.gqa = attn.scale, attn.n_kv_heads != attn.n_heads
         self.gated, self.act = ffn.gate_proj is not None, ffn.act
-        if self.gated:
-            self.up_w, self.up_b = ffn._gate_up.weights((ffn.gate_proj, ffn.up_proj))
-        else:
-            self.up_w, self.up_b = ffn.up_proj.weight, ffn.up_proj.bias
-        self.down_w, self.down_b = ffn.down_proj.weight, ffn.down_proj.bias
+        fused = (ffn.gate_proj, ffn.up_proj) if self.gated else (ffn.up_proj,)
+        self.ffn = None if _plain(*fused) and type(ffn.down_proj) is nn.Linear else ffn.forward  # wrapped: its own
+        if self.ffn is None:
+            if self.gated:
+                self.up_w, self.up_b = ffn._gate_up.weights(fused)
+            else:
+                self.up_w, self.up_b = ffn.up_proj.weight, ffn.up_proj.bias
+            self.down_w, self.down_b = ffn.down_proj.weight, ffn.down_proj.bias
         self.local = local
 
 
@@ -77,6 +99,8 @@ def _why_not(model: nn.Module) -> str | None:
         return "token types, an embedding norm or an embedding projection"
     if stack.position.has_bias or stack.position.has_scores:
         return f"a position term in the scores ({type(stack.position).__name__})"
+    if type(stack.drop) is not Dropout:
+        return f"embedding output stage {type(stack.drop).__name__}"
     if stack.norm is not None and not isinstance(stack.norm, _NORMS):
         return f"final norm {type(stack.norm).__name__}"
     for block in stack.layers:
@@ -91,13 +115,6 @@ def _why_not(model: nn.Module) -> str | None:
             return "a sandwich norm outside the registry"
         if type(ffn) is not FeedForward:
             return f"FFN {type(ffn).__name__}"
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ffn.up_proj, ffn.down_proj]
-        linears += [ffn.gate_proj] if ffn.gate_proj is not None else []
-        if any(type(m) is not nn.Linear for m in linears):
-            return "a wrapped projection (a PEFT method)"
-        if len({m.bias is None for m in linears[:3]}) > 1 or (
-                ffn.gate_proj is not None and (ffn.gate_proj.bias is None) != (ffn.up_proj.bias is None)):
-            return "some fused projections with a bias and some without"
         if not isinstance(block.attn_norm, _NORMS) or not isinstance(block.ffn_norm, _NORMS):
             return "a norm outside the registry"
     for m in model.modules():
@@ -171,7 +188,7 @@ class FlatDecoder:
                 kv = y.narrow(2, H, 2 * Hkv)
                 k, v = lc.write_token(kv) if T == 1 else lc.append_tokens(kv)
                 q = y.narrow(2, 0, H).transpose(1, 2)
-            else:  # per-head q/k norms: the attention's general path, (B, H, T, Dh) and (B, Hkv, T, Dh)
+            else:  # the attention's general path, (B, H, T, Dh) and (B, Hkv, T, Dh) (q/k norms, wrappers)
                 q, k, v = layer.project(h)
                 if rotate is not None:
                     q, k = rotate(q, k, position_ids)
@@ -184,17 +201,25 @@ class FlatDecoder:
                 a = layer.attend(q, k, v, mask, False)
             # (B, H, 1, Dh) -> (B, 1, H * Dh): for one token the heads' order is the token-major order
             a = a.reshape(B, T, H * dh) if T == 1 else a.transpose(1, 2).reshape(B, T, H * dh)
-            a = linear(a, layer.o_w, layer.o_b)
-            x = x + (a if layer.post1 is None else layer.post1(a))
-            # FFN: x + down(act(gate) * up) or x + down(act(up))
-            h = linear(layer.norm2(x), layer.up_w, layer.up_b)
-            if layer.gated:
-                gate, up = h.chunk(2, dim=-1)
-                h = layer.act(gate) * up
+            a = linear(a, layer.o_w, layer.o_b) if layer.o is None else layer.o(a)
+            if layer.post1 is not None:
+                a = layer.post1(a)
+            x = x + (a if layer.drop1 is None else layer.drop1(a))
+            # FFN: x + [post](down(act(gate) * up)) or x + [post](down(act(up)))
+            h = layer.norm2(x)
+            if layer.ffn is not None:  # a wrapped projection: the FFN's own forward
+                h = layer.ffn(h)
             else:
-                h = layer.act(h)
-            h = linear(h, layer.down_w, layer.down_b)
-            x = x + (h if layer.post2 is None else layer.post2(h))
+                h = linear(h, layer.up_w, layer.up_b)
+                if layer.gated:
+                    gate, up = h.chunk(2, dim=-1)
+                    h = layer.act(gate) * up
+                else:
+                    h = layer.act(h)
+                h = linear(h, layer.down_w, layer.down_b)
+            if layer.post2 is not None:
+                h = layer.post2(h)
+            x = x + (h if layer.drop2 is None else layer.drop2(h))
         if self.norm is not None:
             x = self.norm(x)
         return self.head(x[:, -1:])[:, -1]
