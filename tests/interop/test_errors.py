@@ -78,3 +78,19 @@ def test_from_hf_casts_half_precision_checkpoints(gpt2_dir):
     assert model.transformer.embed.weight.dtype == torch.float32
     torch.testing.assert_close(model.transformer.embed.weight, tensors["transformer.wte.weight"].float())
     assert pretune.from_hf(gpt2_dir, dtype=torch.bfloat16).transformer.embed.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cls,config", [("BertLMHeadModel", "BertConfig"), ("RobertaForCausalLM", "RobertaConfig")])
+def test_causal_bert_and_roberta_are_refused_not_loaded_as_encoders(cls, config, tmp_path):
+    """BertLMHeadModel / RobertaForCausalLM have the masked LM's tensors and is_decoder=true: loaded as pretune's
+    bidirectional encoder they would silently attend to later tokens."""
+    hf_cfg = getattr(transformers, config)(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=32, is_decoder=True)
+    getattr(transformers, cls)(hf_cfg).save_pretrained(tmp_path / "hf")
+    with pytest.raises(InteropError, match=f"{cls} is not supported.*attend causally"):
+        pretune.from_hf(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())  # is_decoder alone says it too
+    cfg.pop("architectures")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InteropError, match="is_decoder=true"):
+        pretune.from_hf(tmp_path / "hf")

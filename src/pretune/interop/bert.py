@@ -97,6 +97,12 @@ def _guess_arch(mt: str, keys: set[str]) -> str | None:
 
 def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     mt = hf["model_type"]
+    causal = [a for a in hf.get("architectures") or [] if a.endswith(("LMHeadModel", "ForCausalLM"))]
+    if hf.get("is_decoder") or causal:  # same tensors as the masked LM: it would load, attending both ways
+        what = causal[0] if causal else f"is_decoder=true ({mt})"
+        raise InteropError(f"{what} is not supported: {mt} checkpoints import as bidirectional encoders, and this one "
+                           "was trained to attend causally (is_decoder); load a decoder family (GPT-2, Llama, ...) "
+                           "or the masked-LM / encoder checkpoint")
     arch = task_arch(hf, sorted(set(_TASK_ARCHS[mt].values())), _guess_arch(mt, keys))
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise InteropError(f"position_embedding_type={hf['position_embedding_type']!r} is not supported "
