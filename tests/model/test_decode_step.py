@@ -228,3 +228,15 @@ def test_flat_step_is_bitwise_the_forward_in_bf16(family, precision):
             assert got.dtype == want.dtype == torch.bfloat16
             assert torch.equal(got, want)
             token = want.argmax(-1, keepdim=True)
+
+
+def test_flat_step_takes_one_token_after_the_prompt():
+    model = perturbed(tiny())
+    flat = FlatDecoder.of(model)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="after the prompt"):
+            flat.step(ids(2, 1), KVCache())  # nothing cached yet
+        cache = KVCache()
+        model(ids(2, 4), past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="one new token"):
+            flat.step(ids(2, 3), cache)

@@ -155,6 +155,9 @@ class FlatDecoder:
         stack = self.stack
         B, T = ids.shape
         past = cache.length
+        if T != 1 or past == 0:
+            raise ValueError(f"FlatDecoder.step decodes one new token per row after the prompt: got {T} token(s) "
+                             f"with {past} cached (run the prompt through the model's forward)")
         x = self.embed(ids)
         if stack.embed_scale is not None:
             x = x * torch.tensor(stack.embed_scale, dtype=x.dtype)
@@ -186,7 +189,7 @@ class FlatDecoder:
                 if rotate is not None:
                     y = rotate.heads(y, H + Hkv)
                 kv = y.narrow(2, H, 2 * Hkv)
-                k, v = lc.write_token(kv) if T == 1 else lc.append_tokens(kv)
+                k, v = lc.write_token(kv)
                 q = y.narrow(2, 0, H).transpose(1, 2)
             else:  # the attention's general path, (B, H, T, Dh) and (B, Hkv, T, Dh) (q/k norms, wrappers)
                 q, k, v = layer.project(h)
@@ -199,8 +202,7 @@ class FlatDecoder:
                 a = sdpa(q, k, v, mask, 0.0, False, scale=layer.scale, enable_gqa=layer.gqa)  # (B, H, T, Dh)
             else:
                 a = layer.attend(q, k, v, mask, False)
-            # (B, H, 1, Dh) -> (B, 1, H * Dh): for one token the heads' order is the token-major order
-            a = a.reshape(B, T, H * dh) if T == 1 else a.transpose(1, 2).reshape(B, T, H * dh)
+            a = a.reshape(B, 1, H * dh)  # (B, H, 1, Dh) -> (B, 1, H * Dh): for one token, the token-major order
             a = linear(a, layer.o_w, layer.o_b) if layer.o is None else layer.o(a)
             if layer.post1 is not None:
                 a = layer.post1(a)
