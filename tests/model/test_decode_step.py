@@ -67,28 +67,34 @@ def _model(family: str):
     return perturbed(tiny(**FAMILIES[family]))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + [f"peft:{m}" for m in sorted(PEFT)])
-def test_flat_step_is_bitwise_the_forward_with_a_cache(family):
-    model = _model(family)
-    assert _why_not(model) is None
+def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None):
+    """Prompt a left-padded batch into two caches, then decode ``steps`` tokens (past the sliding window) through
+    the forward and through the flat step: the logits must be equal, bitwise."""
     x, mask = _padded()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    bf16_base = torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16-base" in family)  # (what it runs under)
-    with torch.inference_mode(), bf16_base:
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
         for cache in (ours, theirs):
             model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         flat = FlatDecoder.of(model)
         token, p = x[:, -1:], pos[:, -1:]
-        for _ in range(6):  # past the sliding window
+        for _ in range(steps):
             mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
             p = p + 1
             want = model(token, mask, position_ids=p, past_key_values=theirs, use_cache=True,
                          logits_to_keep=1).logits[:, -1]
             got = flat.step(token, ours, mask, p)
+            assert dtype is None or got.dtype == want.dtype == dtype
             assert torch.equal(got, want)
             token = want.argmax(-1, keepdim=True)
-        assert ours.length == theirs.length == 13
+    assert ours.length == theirs.length == 7 + steps
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES) + [f"peft:{m}" for m in sorted(PEFT)])
+def test_flat_step_is_bitwise_the_forward_with_a_cache(family):
+    model = _model(family)
+    assert _why_not(model) is None
+    _assert_steps_bitwise(model, autocast="bf16-base" in family)  # (a bf16 base runs under autocast)
 
 
 def test_flat_step_without_padding_or_positions_given():
@@ -210,24 +216,7 @@ def test_flat_step_is_bitwise_the_forward_in_bf16(family, precision):
     model = perturbed(tiny(**FAMILIES[family]))
     if precision == "bf16-weights":
         model = model.to(torch.bfloat16)
-    x, mask = _padded()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast")
-    with torch.inference_mode(), autocast:
-        ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
-        for cache in (ours, theirs):
-            model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        flat = FlatDecoder.of(model)
-        token, p = x[:, -1:], pos[:, -1:]
-        for _ in range(5):
-            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
-            p = p + 1
-            want = model(token, mask, position_ids=p, past_key_values=theirs, use_cache=True,
-                         logits_to_keep=1).logits[:, -1]
-            got = flat.step(token, ours, mask, p)
-            assert got.dtype == want.dtype == torch.bfloat16
-            assert torch.equal(got, want)
-            token = want.argmax(-1, keepdim=True)
+    _assert_steps_bitwise(model, steps=5, autocast=precision == "bf16-autocast", dtype=torch.bfloat16)
 
 
 def test_flat_step_takes_one_token_after_the_prompt():

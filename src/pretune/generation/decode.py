@@ -93,9 +93,10 @@ class Runner:
                 self.step = _compiled_step(dev)
         else:
             self.cache = KVCache(capacity=self.prompt_len + max_new_tokens) if use_cache else None
-        # eager steps after the prompt: a flat loop over the layers where the model allows one (the same logits)
-        self.flat: FlatDecoder | bool | None = None if self.cache is not None and not static_cache and not compile \
-            and not self.enc_dec else False
+        # eager steps after the prompt with a growing cache: a flat loop over the layers where the model allows one
+        # (the same logits); built at the first such step, after the prompt filled the stacked-weight caches
+        self.flat_ok = isinstance(self.cache, KVCache) and not self.enc_dec
+        self.flat: FlatDecoder | None = None
 
     def logits(self) -> torch.Tensor:
         """Next-token logits (B, vocab) in fp32 after the tokens so far."""
@@ -120,16 +121,15 @@ class Runner:
         else:
             mask = None if self.mask is None or static else self.mask[:, : self.length]  # static: the cache's
             pos = None if self.positions is None else self.positions[:, start: self.length].contiguous()
-            if start > 0 and self.flat is not False and x.shape[1] == 1:
-                if self.flat is None:  # built after the prompt ran (its stacked weights are cached by then)
-                    self.flat = FlatDecoder.of(self.model) or False
-                if self.flat:
-                    logits = self.flat.step(x.contiguous(), self.cache, mask, pos)
-                    self.fed = self.length
-                    return logits.float()
-            extra = self.layout.prompt_kwargs(self.ids[:, : self.prompt_len]) if start == 0 else {}  # prefix LM
-            logits = forward(self.model, x.contiguous(), mask, position_ids=pos, past_key_values=self.cache,
-                             use_cache=self.cache is not None, logits_to_keep=1, **extra)
+            if self.flat_ok and start > 0 and x.shape[1] == 1 and self.flat is None:
+                self.flat = FlatDecoder.of(self.model)
+                self.flat_ok = self.flat is not None
+            if self.flat_ok and start > 0 and x.shape[1] == 1:
+                logits = self.flat.step(x.contiguous(), self.cache, mask, pos)
+            else:
+                extra = self.layout.prompt_kwargs(self.ids[:, : self.prompt_len]) if start == 0 else {}  # prefix LM
+                logits = forward(self.model, x.contiguous(), mask, position_ids=pos, past_key_values=self.cache,
+                                 use_cache=self.cache is not None, logits_to_keep=1, **extra)
         self.fed = self.length
         return logits.float()
 

@@ -67,7 +67,7 @@ class LayerCache:
             return self.append_tokens(kv)
         self._kv.select(1, self.length).copy_(kv.squeeze(1))
         self.length = end
-        return self._k_all.narrow(2, 0, end), self._v_all.narrow(2, 0, end)
+        return self._views(end)
 
     def _grow(self, kv: torch.Tensor, need: int) -> None:
         old = 0 if self._kv is None else self._kv.shape[1]
