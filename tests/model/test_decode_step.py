@@ -165,22 +165,22 @@ def test_generate_takes_the_flat_step_and_gives_the_same_tokens(monkeypatch, fam
     assert torch.equal(fast, plain)
 
 
-def test_write_token_is_append_tokens_for_one_token():
+def test_write_heads_is_append_tokens_for_one_token():
     from pretune.model.cache import LayerCache
 
     a, b = LayerCache(capacity=6), LayerCache(capacity=6)
     first = torch.randn(2, 3, 4, 5)
     a.append_tokens(first)
     b.append_tokens(first)
-    for _ in range(5):  # the fourth write outgrows the capacity: write_token falls back and grows
-        kv = torch.randn(2, 1, 4, 5)
+    for _ in range(5):  # the fourth write outgrows the capacity: write_heads falls back and grows
+        kv = torch.randn(2, 1, 4, 5)  # token-major (B, 1, 2 Hkv, Dh); write_heads takes it head-major
         ka, va = a.append_tokens(kv)
-        kb, vb = b.write_token(kv)
+        kb, vb = b.write_heads(kv.transpose(1, 2))
         assert torch.equal(ka, kb) and torch.equal(va, vb) and kb.shape == (2, 2, a.length, 5)
     b.reorder(torch.tensor([1, 0]))
     a.reorder(torch.tensor([1, 0]))
     kv = torch.randn(2, 1, 4, 5)
-    assert all(torch.equal(p, q) for p, q in zip(a.append_tokens(kv), b.write_token(kv)))
+    assert all(torch.equal(p, q) for p, q in zip(a.append_tokens(kv), b.write_heads(kv.transpose(1, 2))))
 
 
 # Every ModelConfig field, with what the flat step does about it. A new field fails this test until it is added

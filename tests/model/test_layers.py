@@ -207,3 +207,36 @@ def test_gated_ffn_recomputing_its_inner_activation_gives_the_plain_gradients(ff
                     torch.autograd.grad(plain16, [x, *ffn_mod.parameters()], g.bfloat16())):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("cls", ["rmsnorm", "rmsnorm_plus_one"])
+def test_rms_norm_on_few_rows_outside_autograd_is_the_kernel_up_to_rounding(cls, monkeypatch):
+    """A decoding step's RMSNorm (a few fp32 rows on the CPU, no autograd) runs as one layer_norm over (x, -x): the
+    kernel's values up to rounding; many rows and training keep the kernel itself; an in-place change of the gain
+    reaches the next call (its stacked copy is rebuilt)."""
+    from pretune.model import layers
+    from pretune.model.layers import LEAN_NORM_ROWS, NORMS, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    norm = NORMS[cls](64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g) * 0.5)
+
+    def kernel(x):
+        gain = norm.weight if cls == "rmsnorm" else 1.0 + norm.weight
+        return rms_norm(x, (64,), gain, 1e-6)
+
+    few, many = torch.randn(4, 1, 64, generator=g), torch.randn(LEAN_NORM_ROWS + 1, 1, 64, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(few), kernel(few), rtol=2e-6, atol=1e-6)
+        with torch.inference_mode():
+            torch.testing.assert_close(norm(few * 3), kernel(few * 3), rtol=2e-6, atol=1e-6)
+        norm.weight.mul_(-2.0)  # an in-place update: the next call must see it
+        torch.testing.assert_close(norm(few), kernel(few), rtol=2e-6, atol=1e-6)
+        assert torch.equal(norm(many), kernel(many))
+    y = norm(few)  # autograd (the weight trains): the kernel, gradients and all
+    assert y.requires_grad and torch.equal(y, kernel(few))
+    # the lean path is the one taken for few rows outside autograd (the kernel is not called)
+    monkeypatch.setattr(layers, "rms_norm", lambda *a: pytest.fail("the kernel ran on a decoding step's rows"))
+    with torch.no_grad():
+        norm(few)

@@ -209,3 +209,26 @@ def test_rotating_fused_heads_in_place_equals_rotating_q_and_k(rows, T, per_row)
     torch.testing.assert_close(y[:, :, :H].transpose(1, 2), q, rtol=0, atol=1e-6)
     torch.testing.assert_close(y[:, :, H:H + Hkv].transpose(1, 2), k, rtol=0, atol=1e-6)
     assert torch.equal(y[:, :, H + Hkv:], v)
+
+
+@pytest.mark.parametrize("rows, per_row", [(1, False), (3, False), (1, True), (3, True), (3000, True)],
+                         ids=["one", "batch", "one-own-positions", "batch-own-positions", "too-many-matrices"])
+def test_rotating_one_token_head_major_equals_heads_bitwise(rows, per_row):
+    """``rotation(...).step`` (a decoding step: from the fused projection's output (B, 1, h * d) straight to
+    head-major heads (B, h, 1, d)) gives exactly ``heads``' values, so a decoding step and the forward agree bitwise;
+    past 2^20 matrix numbers it goes through ``heads``' elementwise path."""
+    rope = RotaryPositions(cfg(dim=32, n_heads=4, n_kv_heads=2), causal=True)
+    H, Hkv, d = 4, 2, 8
+    g = torch.Generator().manual_seed(rows)
+    y = torch.randn(rows, 1, (H + 2 * Hkv) * d, generator=g)
+    pos = torch.randint(0, 50, (rows, 1), generator=g) if per_row else torch.tensor([7])
+    rotate = rope.rotation(pos)
+    heads = y.unflatten(-1, (-1, d))
+    q, k = rotate(heads[:, :, :H].transpose(1, 2), heads[:, :, H:H + Hkv].transpose(1, 2), pos)
+    with torch.no_grad():
+        want = rotate.heads(heads.clone(), H + Hkv).transpose(1, 2)
+        got = rotate.step(y.clone(), H + Hkv, d)  # (may rotate its argument in place, as heads does)
+    assert got.shape == (rows, H + 2 * Hkv, 1, d)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got[:, :H], q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[:, H:H + Hkv], k, rtol=0, atol=1e-6)

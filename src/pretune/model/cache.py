@@ -27,6 +27,7 @@ class LayerCache:
         self._kv = kv
         h = kv.shape[2] // 2
         self._k_all, self._v_all = kv.narrow(2, 0, h).transpose(1, 2), kv.narrow(2, h, h).transpose(1, 2)
+        self._slots = kv.unsqueeze(3)  # (B, capacity, 2 * Hkv, 1, Dh): one position is write_heads' layout
 
     def _views(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k_all.narrow(2, 0, end), self._v_all.narrow(2, 0, end)  # (B, Hkv, end, Dh) each
@@ -59,13 +60,14 @@ class LayerCache:
         self.length = end
         return self._views(end)
 
-    def write_token(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`append_tokens` for one new token (B, 1, 2 * Hkv, Dh) outside autograd, into a buffer that has
-        room (a decoding step after the prompt, with ``KVCache(capacity=...)``); else the general path."""
+    def write_heads(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`append_tokens` for one token's keys and values, head-major (B, 2 * Hkv, 1, Dh) (keys first),
+        outside autograd, into a buffer that has room (a decoding step after the prompt, with
+        ``KVCache(capacity=...)``): one copy into the buffer and two views; else the general path."""
         end = self.length + 1
         if self._kv is None or end > self._kv.shape[1] or kv.requires_grad:
-            return self.append_tokens(kv)
-        self._kv.select(1, self.length).copy_(kv.squeeze(1))
+            return self.append_tokens(kv.transpose(1, 2))
+        self._slots.select(1, self.length).copy_(kv)
         self.length = end
         return self._views(end)
 

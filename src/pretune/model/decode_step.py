@@ -184,13 +184,11 @@ class FlatDecoder:
             H, Hkv, dh = layer.heads, layer.kv_heads, layer.dh
             # attention: x + [post](o(attend(rope(qkv(norm(x))))))
             h = layer.norm1(x)
-            if layer.project is None:  # the fused path: token-major heads (B, T, H + 2 Hkv, Dh)
-                y = linear(h, layer.qkv_w, layer.qkv_b).unflatten(-1, (-1, dh))
-                if rotate is not None:
-                    y = rotate.heads(y, H + Hkv)
-                kv = y.narrow(2, H, 2 * Hkv)
-                k, v = lc.write_token(kv)
-                q = y.narrow(2, 0, H).transpose(1, 2)
+            if layer.project is None:  # the fused path: one token's heads, head-major (B, H + 2 Hkv, 1, Dh)
+                y = linear(h, layer.qkv_w, layer.qkv_b)
+                y = y.view(B, -1, 1, dh) if rotate is None else rotate.step(y, H + Hkv, dh)
+                k, v = lc.write_heads(y.narrow(1, H, 2 * Hkv))
+                q = y.narrow(1, 0, H)
             else:  # the attention's general path, (B, H, T, Dh) and (B, Hkv, T, Dh) (q/k norms, wrappers)
                 q, k, v = layer.project(h)
                 if rotate is not None:

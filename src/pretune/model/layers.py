@@ -27,17 +27,47 @@ def _rms_norm_fused(x, shape, weight, eps):
 rms_norm = _rms_norm_fused if hasattr(torch, "_fused_rms_norm") else _rms_norm_composite
 
 
+# Rows up to which a CPU RMSNorm outside autograd runs as one layer_norm (see RMSNorm): the decoding steps.
+LEAN_NORM_ROWS = 64
+_SIGNS = torch.tensor([[1.0], [-1.0]])  # x.unsqueeze(-2) * _SIGNS is (x, -x) in one op
+
+
 class RMSNorm(nn.Module):
-    """LayerNorm without mean-centring or bias: x / rms(x) * g (T5, Llama). Statistics in fp32."""
+    """LayerNorm without mean-centring or bias: x / rms(x) * g (T5, Llama). Statistics in fp32.
+
+    A few fp32 rows on the CPU outside autograd (a decoding step) run as one ``layer_norm`` over (x, -x) instead: the
+    2d values have mean 0 and variance mean(x^2), so the first half of their layer norm is x / sqrt(mean(x^2) + eps)
+    * g. That is one kernel where torch's CPU RMSNorm is eight (2.13), ~0.7 ms of SmolLM2's ~26 ms per token; the
+    same values up to rounding (tests/model/test_layers.py), and the row count alone picks the path, so a decoding
+    step and the model's forward on the same token agree bitwise."""
 
     def __init__(self, dim: int, eps: float, bias: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._gain2: tuple | None = None  # (key, (2, dim) gain) for the layer_norm path
+
+    def _gain(self) -> torch.Tensor:
+        return self.weight
+
+    def _lean(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer_norm path's result, or None where it does not apply (many rows, autograd, not the CPU)."""
+        w = self.weight
+        if (not x.is_cpu or x.numel() > LEAN_NORM_ROWS * x.shape[-1] or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return None
+        key = (w.data_ptr(), w._version, torch.is_inference_mode_enabled())
+        gain2 = self._gain2
+        if gain2 is None or gain2[0] != key:
+            with torch.no_grad():
+                g = self._gain().float()
+                gain2 = self._gain2 = (key, torch.stack([g, g]))
+        return F.layer_norm(x.unsqueeze(-2) * _SIGNS, (2, x.shape[-1]), gain2[1], None, self.eps).select(-2, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return rms_norm(x, self.weight.shape, self.weight, self.eps)
+            y = self._lean(x)
+            return y if y is not None else rms_norm(x, self.weight.shape, self.weight, self.eps)
         # low precision: normalise in fp32, scale in the weight's dtype (as T5/Llama do)
         y = rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return self.weight.to(x.dtype) * y
@@ -51,11 +81,14 @@ class RMSNormPlusOne(RMSNorm):
         super().__init__(dim, eps)
         nn.init.zeros_(self.weight)
 
+    def _gain(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gain = 1.0 + self.weight.float()  # (dim,)
         if x.dtype == torch.float32:
-            return rms_norm(x, self.weight.shape, gain, self.eps)
-        return rms_norm(x.float(), self.weight.shape, gain, self.eps).to(x.dtype)
+            y = self._lean(x)
+            return y if y is not None else rms_norm(x, self.weight.shape, self._gain(), self.eps)
+        return rms_norm(x.float(), self.weight.shape, self._gain(), self.eps).to(x.dtype)
 
 
 class WrappedLinear(nn.Module):

@@ -148,27 +148,36 @@ class RotaryPositions(NoPosition):
 
         per_token = {}  # (dtype, n, heads) -> each position's rotation of each head as a (d, d) matrix
 
+        def matrices(y: torch.Tensor, n: int, h: int, d: int) -> torch.Tensor | None:
+            """(T, h, d, d) or (B, T, h, d, d): each position's rotation matrix per head of y (B, T, h * d), built
+            once per forward (cos on the diagonal, +-sin at the pair's other coordinate, the identity for the heads
+            after the first n); None when they would be large (many tokens, or many rows with their own
+            positions)."""
+            B, T = y.shape[0], y.shape[1]
+            if (1 if positions.dim() == 1 else B) * T * h * d * d > 1 << 20:
+                return None
+            key = (y.dtype, n, h)
+            mats = per_token.get(key)
+            if mats is None:
+                c, s = tables(y.dtype)  # (T, d) or (B, 1, T, d)
+                c, s = (c[:, 0], s[:, 0]) if c.dim() == 4 else (c, s)  # (B, T, d) or (T, d)
+                lead = c.shape[:-1]
+                # cos 1 and sin 0 on the value heads: (..., h, d)
+                c = torch.cat([c[..., None, :].expand(*lead, n, d), c.new_ones(*lead, h - n, d)], -2)
+                s = torch.cat([s[..., None, :].expand(*lead, n, d), s.new_zeros(*lead, h - n, d)], -2)
+                mats = per_token[key] = torch.diag_embed(c) + _half_turn(d, y.dtype, y.device) * s[..., None, :]
+            return mats
+
         def heads(y: torch.Tensor, n: int) -> torch.Tensor:
             """Token-major heads y (B, T, heads, d) with the first ``n`` rotated (the q and k heads of the fused
             q/k/v projection; the value heads after them are kept). For a few tokens (decoding) the rotation is one
-            batched matmul with each position's (d, d) rotation matrix per head (built once per forward: cos on the
-            diagonal, +-sin at the pair's other coordinate, the identity for the value heads), instead of the dozen
-            elementwise calls of :func:`_rope` for q and k: the same products and sums, so the same values up to
-            rounding; a new tensor. For more tokens, :func:`_rope` on the q and k heads of y in place."""
+            batched matmul with each position's (d, d) rotation matrix per head (:func:`matrices`), instead of the
+            dozen elementwise calls of :func:`_rope` for q and k: the same products and sums, so the same values up
+            to rounding; a new tensor. For more tokens, :func:`_rope` on the q and k heads of y in place."""
             B, T, h, d = y.shape
-            shared = positions.dim() == 1  # one row of positions for every batch row: the rows share the matrices
-            if (1 if shared else B) * T * h * d * d <= 1 << 20:
-                key = (y.dtype, n, h)
-                mats = per_token.get(key)
-                if mats is None:
-                    c, s = tables(y.dtype)  # (T, d) or (B, 1, T, d)
-                    c, s = (c[:, 0], s[:, 0]) if c.dim() == 4 else (c, s)  # (B, T, d) or (T, d)
-                    lead = c.shape[:-1]
-                    # cos 1 and sin 0 on the value heads: (..., h, d)
-                    c = torch.cat([c[..., None, :].expand(*lead, n, d), c.new_ones(*lead, h - n, d)], -2)
-                    s = torch.cat([s[..., None, :].expand(*lead, n, d), s.new_zeros(*lead, h - n, d)], -2)
-                    mats = per_token[key] = torch.diag_embed(c) + _half_turn(d, y.dtype, y.device) * s[..., None, :]
-                if shared:  # (T, h, B, d) @ (T, h, d, d): the batch rows are the matmul's rows, no copies of mats
+            mats = matrices(y, n, h, d)
+            if mats is not None:
+                if positions.dim() == 1:  # (T, h, B, d) @ (T, h, d, d): the batch rows are the matmul's rows
                     return torch.matmul(y.permute(1, 2, 0, 3), mats).permute(2, 0, 1, 3)
                 return torch.matmul(y.unsqueeze(-2), mats).squeeze(-2)  # (B, T, h, 1, d) @ (B, T, h, d, d)
             c, s = tables(y.dtype)
@@ -177,7 +186,21 @@ class RotaryPositions(NoPosition):
             qk.copy_(_rope(qk, c, s))
             return y
 
-        rotate.heads = heads
+        def step(y: torch.Tensor, n: int, d: int) -> torch.Tensor:
+            """:func:`heads` for one token per row, from the fused projection's output y (B, 1, h * d) to head-major
+            (B, h, 1, d), with fewer view calls (a decoding step): the same matmul on the same operands, so the
+            same values as ``heads(y.unflatten(-1, (-1, d)), n).transpose(1, 2)``."""
+            B, h = y.shape[0], y.shape[-1] // d
+            mats = matrices(y, n, h, d)
+            if mats is None:
+                return heads(y.view(B, 1, h, d), n).transpose(1, 2)
+            if positions.dim() == 2:  # each row its own positions: (B, 1, h, 1, d) @ (B, 1, h, d, d)
+                return torch.matmul(y.view(B, 1, h, 1, d), mats).view(B, h, 1, d)
+            if B == 1:  # (1, h, 1, d) @ (1, h, d, d) is already head-major
+                return torch.matmul(y.view(1, h, 1, d), mats)
+            return torch.matmul(y.view(B, 1, h, d).permute(1, 2, 0, 3), mats).permute(2, 1, 0, 3)
+
+        rotate.heads, rotate.step = heads, step
         return rotate
 
 
