@@ -29,6 +29,16 @@ class CheckpointError(ValueError):
     """A checkpoint folder cannot be loaded; the message names the file and tensor/key."""
 
 
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, contiguous and on the CPU, as a tensor that owns its storage: a copy where it is a view of a
+    larger one (a frozen q/k/v or gate/up weight is a view of the stacked copy ``FusedLinears`` keeps), which
+    safetensors refuses to write."""
+    t = t.detach().contiguous().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """State dict with each shared tensor once, under its first name (tied embeddings,
     shared encoder-decoder blocks are stored once; the model re-ties them when built)."""
@@ -201,7 +211,7 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None) ->
     """
     path = Path(path)
     with atomic_folder(path) as tmp:
-        tensors = {k: v.contiguous().cpu() for k, v in unique_state(model).items()}
+        tensors = {k: owned(v) for k, v in unique_state(model).items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "library": "pretune"})
         write_config_and_tokenizer(model.config, tokenizer, tmp)
     return path

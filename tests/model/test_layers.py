@@ -240,3 +240,68 @@ def test_rms_norm_on_few_rows_outside_autograd_is_the_kernel_up_to_rounding(cls,
     monkeypatch.setattr(layers, "rms_norm", lambda *a: pytest.fail("the kernel ran on a decoding step's rows"))
     with torch.no_grad():
         norm(few)
+
+
+def _three_linears(bias: bool, frozen: bool):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, n, bias=bias) for n in (16, 8, 8)]
+    for m in layers:
+        m.requires_grad_(not frozen)
+    return layers
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_fused_linears_are_views_of_their_stack_held_once(bias, tmp_path):
+    """Frozen weights (a PEFT base, a model only run) become views of the stacked copy FusedLinears keeps, so they
+    are held once: the same outputs, one storage, an update seen either way, and still saveable, copyable and usable
+    by a training step that needs them for its backward (the stack is built outside inference mode)."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    from pretune.checkpoint import owned
+    from pretune.model.layers import FusedLinears
+
+    layers = _three_linears(bias, frozen=True)
+    fused, x = FusedLinears(), torch.randn(2, 3, 16)
+    want = [m(x) for m in layers]
+    with torch.inference_mode():
+        got = fused(x, layers)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    w, b = fused.weights(layers)
+    for m in layers:  # one storage: the layers' weights are rows of the stack
+        assert m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        assert m.weight.is_leaf and not m.weight.is_inference() and not w.is_inference()
+        if bias:
+            assert m.bias.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    with torch.no_grad():
+        layers[1].weight.mul_(2.0)  # an in-place update reaches the stack (it is the same memory)
+    assert torch.equal(fused(x, layers)[1], layers[1](x)) and torch.equal(fused.weights(layers)[0][16:24],
+                                                                          layers[1].weight)
+    # a LoRA-style step: frozen weights, an input that trains: the backward reaches the input
+    xg = x.clone().requires_grad_(True)
+    sum(y.sum() for y in fused(xg, layers)).backward()
+    torch.testing.assert_close(xg.grad, sum(m.weight.sum(0) for m in layers).expand_as(x))
+    # saving writes each weight on its own (safetensors refuses shared memory), copying works
+    state = {f"{i}.weight": m.weight for i, m in enumerate(layers)}
+    save_file({k: owned(v) for k, v in state.items()}, str(tmp_path / "w.safetensors"))
+    loaded = load_file(str(tmp_path / "w.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    twin = copy.deepcopy(layers)
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(twin, layers))
+
+
+def test_trainable_fused_linears_keep_their_own_storage_and_drop_a_stale_stack():
+    """Weights that may train are not re-pointed (an optimizer, DDP or compile own them); the stack an evaluation
+    built for them is a separate, gradient-free copy, dropped by the next training call."""
+    from pretune.model.layers import FusedLinears
+
+    layers = _three_linears(True, frozen=False)
+    fused, x = FusedLinears(), torch.randn(2, 3, 16)
+    with torch.no_grad():
+        fused(x, layers)
+    w = fused._cache[1]
+    assert w.grad_fn is None and not w.requires_grad  # (a stack built with grad on would hold a graph)
+    assert all(m.weight.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for m in layers)
+    sum(y.sum() for y in fused(x, layers)).backward()
+    assert fused._cache is None and all(m.weight.grad is not None for m in layers)

@@ -162,7 +162,8 @@ def cmd_generate(args) -> int:
                           "none; generate needs a decoder or an encoder-decoder with an LM head")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model.to(device=device, dtype=dtype).eval()
+    # frozen: only run, so its stacked q/k/v and gate/up weights are its storage, not a second copy
+    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     chat_source = None
     if args.chat:
         from ..generation.prompt import load_chat_template

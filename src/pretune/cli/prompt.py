@@ -257,7 +257,7 @@ def cmd_prompt(args) -> int:
     loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
     model, tok = loaded.model, loaded.tokenizer
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
+    model.to(device).eval().requires_grad_(False)  # only run: frozen weights are held once (FusedLinears)
     chat = load_chat_template(loaded.folders) if args.chat else None
     common = dict(chat=chat, system=unescape(args.system), max_len=args.max_len,
                   fit=args.fit.replace("-", "_"), add_bos={"auto": None, "yes": True, "no": False}[args.bos])

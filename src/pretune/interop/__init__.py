@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, load_state, read_weights, unique_state
+from ..checkpoint import CheckpointError, atomic_folder, load_state, owned, read_weights, unique_state
 from ..config import TASK_HEADS, ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
@@ -369,13 +369,13 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_
         shards[-1].append(k)
         used += sizes[k]
     if len(shards) == 1:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+        save_file({k: owned(v) for k, v in tensors.items()}, str(folder / "model.safetensors"),
                   metadata={"format": "pt"})
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, keys in zip(names, shards):
-        save_file({k: tensors[k].contiguous().cpu() for k in keys}, str(folder / name), metadata={"format": "pt"})
+        save_file({k: owned(tensors[k]) for k in keys}, str(folder / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in keys})
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -56,10 +56,12 @@ class RMSNorm(nn.Module):
         if (not x.is_cpu or x.numel() > LEAN_NORM_ROWS * x.shape[-1] or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return None
-        key = (w.data_ptr(), w._version, torch.is_inference_mode_enabled())
+        key = (w.data_ptr(), w._version)
         gain2 = self._gain2
         if gain2 is None or gain2[0] != key:
-            with torch.no_grad():
+            # an ordinary tensor, usable in and out of inference mode (inference_mode(False) turns grad mode on:
+            # no_grad goes inside it)
+            with torch.inference_mode(False), torch.no_grad():
                 g = self._gain().float()
                 gain2 = self._gain2 = (key, torch.stack([g, g]))
         return F.layer_norm(x.unsqueeze(-2) * _SIGNS, (2, x.shape[-1]), gain2[1], None, self.eps).select(-2, 0)
@@ -114,11 +116,14 @@ class FusedLinears:
     the stacked weight is a cache, never a parameter or a state-dict entry).
 
     Weights that train are concatenated on every call (autograd must reach them; :class:`_StackedLinear` keeps the
-    layers' own weights for the backward, not the stacked copy); frozen ones (inference,
-    generation, LoRA) are stacked once and reused until a weight changes (in-place updates bump the tensor's
-    version, a move gives a new storage; a write through ``param.data`` bypasses the version counter and is not
-    seen). A :class:`WrappedLinear` joins the fused matmul through its ``base_layer`` and adjusts its slice of the
-    output; one that is not ``fusable`` makes every layer run on its own.
+    layers' own weights for the backward, not the stacked copy); outside autograd (inference, generation, a frozen
+    LoRA base) they are stacked once and reused until a weight changes (in-place updates bump the tensor's version,
+    a move gives a new storage). Frozen weights (``requires_grad`` False: a PEFT base, a teacher, a model loaded for
+    inference) then become views of the stacked copy, so the model holds them once, not twice, and a write through
+    ``param.data`` reaches the stack too; saving copies such views out (``checkpoint.owned``), as safetensors
+    requires. Weights that may train keep their own storage and the stack is a separate copy, dropped when they
+    train again. A :class:`WrappedLinear` joins the fused matmul through its ``base_layer`` and adjusts its slice
+    of the output; one that is not ``fusable`` makes every layer run on its own.
     """
 
     def __init__(self):
@@ -142,7 +147,9 @@ class FusedLinears:
 
     def _matmul(self, x: torch.Tensor, bases) -> torch.Tensor:
         if torch.is_grad_enabled() and any(b.weight.requires_grad for b in bases) and not torch.compiler.is_compiling():
-            # training: the stacked weight is not kept for the backward (the layers' own weights are)
+            # training: the stacked weight is not kept for the backward (the layers' own weights are), and a copy
+            # stacked for an evaluation is stale from the first update on: let it go
+            self._cache = None
             bias = torch.cat([b.bias for b in bases]) if bases[0].bias is not None else None
             return _StackedLinear.apply(x, bias, *(b.weight for b in bases))
         w, b = self.weights(bases, x.device.type)
@@ -164,15 +171,45 @@ class FusedLinears:
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         if cast is not None and not tensors[0].is_floating_point():
             cast = None
-        key = (torch.is_inference_mode_enabled(), cast, *((t.data_ptr(), t._version, t.dtype) for t in tensors))
+        key = (cast, *((t.data_ptr(), t._version, t.dtype) for t in tensors))
         if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
+            self._cache = None  # (a stale stack goes before the new one is built)
+            # an ordinary tensor even under inference mode: it may become the frozen weights' storage, and a
+            # later training step must be able to save them for its backward (inference_mode(False) turns grad
+            # mode on: no_grad goes inside it)
+            with torch.inference_mode(False), torch.no_grad():
                 w = torch.cat(tensors[:n])
                 b = torch.cat(tensors[n:]) if biases else None
                 if cast is not None:  # the same rounding the matmul's own cast would do
                     w, b = w.to(cast), (b.to(cast) if b is not None else None)
+                elif all(_shareable(t) for t in tensors) and not _distributed():
+                    _view_into(tensors[:n], w)
+                    if biases:
+                        _view_into(tensors[n:], b)
+                    key = (cast, *((t.data_ptr(), t._version, t.dtype) for t in tensors))
             self._cache = (key, w, b)
         return self._cache[1], self._cache[2]
+
+
+def _shareable(t: torch.Tensor) -> bool:
+    """A frozen, plain parameter (not a DTensor shard or a fake tensor) that may become a view of a stacked copy."""
+    return (isinstance(t, nn.Parameter) and not t.requires_grad and type(t.data) is torch.Tensor
+            and not t.is_inference())
+
+
+def _distributed() -> bool:
+    """Inside a process group the parameters may be FSDP's gathered copies, which it frees and refills itself:
+    their storage is left alone there."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _view_into(params, stacked: torch.Tensor) -> None:
+    """Point each parameter at its rows of ``stacked`` (their concatenation along dim 0): one copy of the values."""
+    start = 0
+    for p in params:
+        rows = p.shape[0]
+        p.data = stacked.narrow(0, start, rows)
+        start += rows
 
 
 def _keep_mask(shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:

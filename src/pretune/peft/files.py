@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..checkpoint import CheckpointError, atomic_folder, read_weights
+from ..checkpoint import owned as owned_tensor
 from ..config import TASK_HEADS
 from .config import PeftConfig
 from .core import (
@@ -174,7 +175,7 @@ def save_adapter(model, path: str | os.PathLike, name: str | None = None, *, bas
         peft_cfg = None
     path = Path(path)
     with atomic_folder(path) as tmp:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
+        save_file({k: owned_tensor(v) for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if peft_cfg is not None:

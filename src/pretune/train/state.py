@@ -37,6 +37,7 @@ from ..checkpoint import (
     atomic_folder,
     disk_full,
     load_state,
+    owned,
     read_weights,
     save,
     write_config_and_tokenizer,
@@ -55,7 +56,7 @@ def objective_state(objective, model) -> dict[str, torch.Tensor]:
         if id(v) in shared or id(v) in seen:
             continue
         seen.add(id(v))
-        out[k] = v.detach().contiguous().cpu()
+        out[k] = owned(v)
     return out
 
 
@@ -144,7 +145,7 @@ def _write_checkpoint(path, model, objective, trainable, tokenizer, optimizer, s
         if trainable is None:
             save(objective.finetunable(model), tmp / "model", tokenizer=tokenizer)
         else:
-            save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()},
+            save_file({k: owned(v) for k, v in trainable.items()},
                       str(tmp / "trainable.safetensors"), metadata=_META)
         extra = objective_state(objective, model)
         if extra:
@@ -160,7 +161,7 @@ def _write_trainer(tmp: Path, optimizer, scheduler, step, position, rng_states, 
     plain, tensors = [], {}
     for i, cb in enumerate(callbacks or []):
         plain.append({k: v for k, v in cb.items() if not isinstance(v, torch.Tensor)})
-        tensors.update({f"{i}/{k}": v.detach().contiguous().cpu() for k, v in cb.items()
+        tensors.update({f"{i}/{k}": owned(v) for k, v in cb.items()
                         if isinstance(v, torch.Tensor)})
     if tensors:
         save_file(tensors, str(tmp / "callbacks.safetensors"), metadata=_META)
