@@ -228,7 +228,12 @@ def test_rms_norm_on_few_rows_outside_autograd_is_the_kernel_up_to_rounding(cls,
 
     few, many = torch.randn(4, 1, 64, generator=g), torch.randn(LEAN_NORM_ROWS + 1, 1, 64, generator=g)
     with torch.no_grad():
-        torch.testing.assert_close(norm(few), kernel(few), rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(norm(few), kernel(few), rtol=2e-6, atol=1e-6)  # one token per row
+        tokens = torch.randn(2, 3, 64, generator=g)  # a few rows of several tokens, and flat rows
+        for x in (tokens, tokens.view(6, 64), tokens[0, 0]):
+            y = norm(x)
+            assert y.shape == x.shape
+            torch.testing.assert_close(y, kernel(x), rtol=2e-6, atol=1e-6)
         with torch.inference_mode():
             torch.testing.assert_close(norm(few * 3), kernel(few * 3), rtol=2e-6, atol=1e-6)
         norm.weight.mul_(-2.0)  # an in-place update: the next call must see it
