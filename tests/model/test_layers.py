@@ -310,3 +310,38 @@ def test_trainable_fused_linears_keep_their_own_storage_and_drop_a_stale_stack()
     assert all(m.weight.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for m in layers)
     sum(y.sum() for y in fused(x, layers)).backward()
     assert fused._cache is None and all(m.weight.grad is not None for m in layers)
+
+
+def test_shared_stack_follows_writes_through_any_handle_and_late_freezing():
+    """Once frozen weights are views of the stack, a write through a tensor that shares their memory (a kept
+    ``state_dict()`` entry) reaches the model every time, not only until the next rebuild; weights frozen after an
+    evaluation already stacked them start sharing; a bf16 base under bf16 autocast shares too (nothing to cast)."""
+    from pretune.model.layers import FusedLinears
+
+    layers = _three_linears(False, frozen=True)
+    fused, x = FusedLinears(), torch.randn(2, 3, 16)
+    with torch.no_grad():
+        fused(x, layers)
+        kept = layers[2].weight.detach()  # (what state_dict() hands out)
+        for scale in (2.0, 3.0):  # two writes through the same handle, a forward after each
+            kept.mul_(scale)
+            assert torch.equal(fused(x, layers)[2], x @ kept.t())
+            assert torch.equal(layers[2].weight, kept)
+
+    late = _three_linears(False, frozen=False)
+    fused = FusedLinears()
+    with torch.no_grad():
+        fused(x, late)  # an evaluation while they may train: a separate copy
+        w = fused._cache[1]
+        assert all(m.weight.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for m in late)
+        for m in late:
+            m.requires_grad_(False)
+        fused(x, late)
+        w = fused._cache[1]
+        assert all(m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for m in late)
+
+    bf16 = [m.to(torch.bfloat16) for m in _three_linears(False, frozen=True)]
+    fused = FusedLinears()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused(x, bf16)
+    assert all(m.weight.untyped_storage().data_ptr() == fused._cache[1].untyped_storage().data_ptr() for m in bf16)

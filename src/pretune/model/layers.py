@@ -63,7 +63,8 @@ class RMSNorm(nn.Module):
             # no_grad goes inside it)
             with torch.inference_mode(False), torch.no_grad():
                 g = self._gain().float()
-                gain2 = self._gain2 = (key, torch.stack([g, g]))
+                # (the weight's storage is held: a freed one's address cannot come back under the same key)
+                gain2 = self._gain2 = (key, torch.stack([g, g]), w.untyped_storage())
         return F.layer_norm(x.unsqueeze(-2) * _SIGNS, (2, x.shape[-1]), gain2[1], None, self.eps).select(-2, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,19 +160,23 @@ class FusedLinears:
         """The layers' weights (and biases) stacked along the output dimension. Frozen ones under autocast are cached
         already cast to the autocast dtype: the matmul would cast them on every call otherwise (autocast caches casts
         of trainable leaves only), which costs a read and a write of every frozen weight per step (LoRA in bf16)."""
+        biases = [b.bias for b in bases] if bases[0].bias is not None else []
+        tensors = [b.weight for b in bases] + biases
+        n = len(bases)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            # training, compiled too: a plain cat that autograd sees through (never a cached stack an evaluation
+            # built, which would give these weights no gradient)
+            return torch.cat(tensors[:n]), (torch.cat(tensors[n:]) if biases else None)
         if self._cache is not None and torch.compiler.is_compiling():
             # a compiled decoding step (generate(compile=True)) runs after an eager prefill filled this cache, and
             # the weights cannot change under its inference mode; data_ptr() keys would break the graph
             return self._cache[1], self._cache[2]
-        biases = [b.bias for b in bases] if bases[0].bias is not None else []
-        tensors = [b.weight for b in bases] + biases
-        n = len(bases)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # (compiled training: plain cat)
-            return torch.cat(tensors[:n]), (torch.cat(tensors[n:]) if biases else None)
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        if cast is not None and not tensors[0].is_floating_point():
-            cast = None
-        key = (cast, *((t.data_ptr(), t._version, t.dtype) for t in tensors))
+        if cast is not None and (not tensors[0].is_floating_point() or all(t.dtype == cast for t in tensors)):
+            cast = None  # (nothing to cast: a bf16 base under bf16 autocast shares like an fp32 one)
+        share = (cast is None and not torch.compiler.is_compiling() and not _distributed()
+                 and all(_shareable(t) for t in tensors))
+        key = _stack_key(tensors, cast, share)
         if self._cache is None or self._cache[0] != key:
             self._cache = None  # (a stale stack goes before the new one is built)
             # an ordinary tensor even under inference mode: it may become the frozen weights' storage, and a
@@ -180,15 +185,22 @@ class FusedLinears:
             with torch.inference_mode(False), torch.no_grad():
                 w = torch.cat(tensors[:n])
                 b = torch.cat(tensors[n:]) if biases else None
-                if cast is not None:  # the same rounding the matmul's own cast would do
-                    w, b = w.to(cast), (b.to(cast) if b is not None else None)
-                elif all(_shareable(t) for t in tensors) and not _distributed():
+                if share:
                     _view_into(tensors[:n], w)
                     if biases:
                         _view_into(tensors[n:], b)
-                    key = (cast, *((t.data_ptr(), t._version, t.dtype) for t in tensors))
-            self._cache = (key, w, b)
+                elif cast is not None:  # the same rounding the matmul's own cast would do
+                    w, b = w.to(cast), (b.to(cast) if b is not None else None)
+            # (the storages are held so that a freed weight's address cannot come back under the same key)
+            self._cache = (_stack_key(tensors, cast, share), w, b, [t.untyped_storage() for t in tensors])
         return self._cache[1], self._cache[2]
+
+
+def _stack_key(tensors, cast, share: bool) -> tuple:
+    """What a cached stack depends on: each tensor's address and dtype, and its version unless the tensors are
+    views of the stack (``share``): then a write through a parameter, or through any tensor sharing its memory
+    (``state_dict()``'s), is in the stack already, and rebuilding it would leave such a tensor behind."""
+    return (cast, share, *((t.data_ptr(), t.dtype, None if share else t._version) for t in tensors))
 
 
 def _shareable(t: torch.Tensor) -> bool:
