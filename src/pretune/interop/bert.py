@@ -11,6 +11,8 @@ model with one to them leaves the (unused) pooler out.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..config import ModelConfig
@@ -49,12 +51,10 @@ _BODY = [
 ]
 _HEADS = {
     "bert": [("cls.predictions.transform.dense", "head.dense"),
-             ("cls.predictions.transform.LayerNorm", "head.norm"),
-             ("cls.predictions.bias", "head.bias"),
-             ("cls.predictions.decoder.weight", "head.weight")],  # only when untied
-    "roberta": [("lm_head.dense", "head.dense"), ("lm_head.layer_norm", "head.norm"),
-                ("lm_head.bias", "head.bias"), ("lm_head.decoder.weight", "head.weight")],
+             ("cls.predictions.transform.LayerNorm", "head.norm")],
+    "roberta": [("lm_head.dense", "head.dense"), ("lm_head.layer_norm", "head.norm")],
 }
+_HEAD_OUT = {"bert": "cls.predictions.", "roberta": "lm_head."}  # where the output bias and decoder live
 _TASK_HEADS = {
     "bert": {"classification": [("classifier", "head.out")], "tagging": [("classifier", "head.out")],
              "qa": [("qa_outputs", "head.out")]},
@@ -66,19 +66,30 @@ _TASK_ARCHS = {mt: {"classification": f"{name}ForSequenceClassification",
                     "tagging": f"{name}ForTokenClassification", "qa": f"{name}ForQuestionAnswering"}
                for mt, name in (("bert", "Bert"), ("roberta", "Roberta"))}
 _SEQ_POOLING = {"bert": "pooler", "roberta": "cls"}  # what each *ForSequenceClassification classifies
-# Redundant copies and buffers: the tied decoder (and its bias alias), position-id buffers,
-# BERT's NSP head (no NSP head in this model yet).
-_IGNORE = [r"^embeddings\.position_ids$", r"decoder\.bias$", r"^cls\.seq_relationship\."]
+# Redundant buffers and BERT's NSP head (no NSP head in this model yet); _mlm_table says which copies of the output
+# bias and decoder weight an MLM head ignores.
+_IGNORE = [r"^embeddings\.position_ids$", r"^cls\.seq_relationship\."]
 
 
 def _model_type(cfg: ModelConfig) -> str:
     return "roberta" if cfg.position_offset else "bert"
 
 
+def _mlm_table(mt: str, tied: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """The MLM head's names and the names an import ignores. Tied (the usual case), transformers makes the decoder's
+    weight the word embeddings and its bias the head's ``bias``: both decoder tensors are copies. Untied, the
+    decoder's own weight and bias are what its forward uses, and the head's ``bias`` is left unused."""
+    out = _HEAD_OUT[mt]
+    if tied:
+        return _HEADS[mt] + [(f"{out}bias", "head.bias")], [rf"^{re.escape(out)}decoder\.(weight|bias)$"]
+    return (_HEADS[mt] + [(f"{out}decoder.bias", "head.bias"), (f"{out}decoder.weight", "head.weight")],
+            [rf"^{re.escape(out)}bias$"])
+
+
 def _head_table(cfg: ModelConfig) -> list[tuple[str, str]]:
     mt = _model_type(cfg)
     if cfg.head == "mlm":
-        return _HEADS[mt]
+        return _mlm_table(mt, cfg.tie_embeddings)[0]
     return _TASK_HEADS[mt].get("classification" if cfg.head == "regression" else cfg.head, [])
 
 
@@ -135,7 +146,7 @@ def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
 def weights_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     mt = _model_type(cfg)
     tensors = strip_prefix(tensors, f"{mt}.")
-    ignore = _IGNORE + [r"decoder\.weight$"] if cfg.tie_embeddings else _IGNORE  # tied copy of the embeddings
+    ignore = _IGNORE + (_mlm_table(mt, cfg.tie_embeddings)[1] if cfg.head == "mlm" else [r"decoder\.(weight|bias)$"])
     return rename(tensors, _BODY + _head_table(cfg), ignore=ignore)
 
 
@@ -146,10 +157,11 @@ def weights_to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         keep_pooler = cfg.sentence_pooling == "pooler" and cfg.head in ("classification", "regression")
         hf = rename(ours, _BODY + _head_table(cfg), reverse=True, ignore=[] if keep_pooler else [r"^pooler\."])
         return {(k if k.startswith(("classifier.", "qa_outputs.")) else f"{mt}.{k}"): v for k, v in hf.items()}
-    hf = rename(ours, _BODY + _HEADS[mt], reverse=True)
-    if cfg.head == "mlm":  # HF's decoder bias is the same tensor as the head bias
-        bias = hf["cls.predictions.bias" if mt == "bert" else "lm_head.bias"]
-        hf["cls.predictions.decoder.bias" if mt == "bert" else "lm_head.decoder.bias"] = bias.clone()
+    hf = rename(ours, _BODY + _head_table(cfg), reverse=True)
+    if cfg.head == "mlm":  # both bias names hold the head's bias (one tensor in transformers when tied)
+        out = _HEAD_OUT[mt]
+        bias = hf[f"{out}bias" if cfg.tie_embeddings else f"{out}decoder.bias"]
+        hf[f"{out}bias"], hf[f"{out}decoder.bias"] = bias, bias.clone()
         return {(k if k.startswith(("cls.", "lm_head.")) else f"{mt}.{k}"): v for k, v in hf.items()}
     return hf
 
