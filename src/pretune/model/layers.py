@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
     A few fp32 rows on the CPU outside autograd (a decoding step) run as one ``layer_norm`` over (x, -x) instead: the
     2d values have mean 0 and variance mean(x^2), so the first half of their layer norm is x / sqrt(mean(x^2) + eps)
-    * g. That is one kernel where torch's CPU RMSNorm is eight (2.13), ~0.7 ms of SmolLM2's ~26 ms per token; the
+    * g. That is one kernel where torch's CPU RMSNorm is eight (2.13), ~0.4 ms of SmolLM2's ~27 ms per token; the
     same values up to rounding (tests/model/test_layers.py), and the row count alone picks the path, so a decoding
     step and the model's forward on the same token agree bitwise."""
 

@@ -149,7 +149,7 @@ class RotaryPositions(NoPosition):
         per_token = {}  # (dtype, n, heads) -> each position's rotation of each head as a (d, d) matrix
 
         def matrices(y: torch.Tensor, n: int, h: int, d: int) -> torch.Tensor | None:
-            """(T, h, d, d) or (B, T, h, d, d): each position's rotation matrix per head of y (B, T, h * d), built
+            """(T, h, d, d) or (B, T, h, d, d): each position's rotation matrix per head of y (B, T, ...), built
             once per forward (cos on the diagonal, +-sin at the pair's other coordinate, the identity for the heads
             after the first n); None when they would be large (many tokens, or many rows with their own
             positions)."""
