@@ -227,3 +227,61 @@ def test_config_from_another_model_is_a_shape_error(ckpt):
     ModelConfig.load(ckpt / "config.json").replace(dim=64).save(ckpt / "config.json")
     with pytest.raises(CheckpointError, match=r"has shape \(\d+, 32\), the model expects \(\d+, 64\)"):
         pretune.load(ckpt)
+
+
+def test_load_holds_the_weights_once_the_files_tensors_become_the_parameters(tmp_path, monkeypatch):
+    """A model is built with its parameters on the meta device and takes the tensors read from the file as they are:
+    no random copy beside them (the old way: build, initialise, copy in; twice the model's memory at the peak)."""
+    model = _model("tiny-llama")
+    pretune.save(model, tmp_path / "ckpt")
+    read = {}
+    real = pretune.checkpoint.read_weights
+
+    def spy(file):
+        read.update(real(file))
+        return read
+
+    monkeypatch.setattr(pretune.checkpoint, "read_weights", spy)
+    inits = []
+    monkeypatch.setattr(pretune.model.TransformerLM, "_init_weights", staticmethod(lambda m: inits.append(m)))
+    loaded = pretune.load(tmp_path / "ckpt")
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    for name, p in loaded.named_parameters():
+        assert p.data_ptr() == read[name].data_ptr(), name  # the file's tensor itself
+    assert loaded.head.weight is loaded.transformer.embed.weight  # still tied
+    assert torch.equal(_outputs(loaded), _outputs(model))
+    # writing to a parameter changes neither the file nor a second load (the mapping is private)
+    with torch.no_grad():
+        loaded.transformer.embed.weight.add_(1.0)
+    again = pretune.load(tmp_path / "ckpt")
+    assert torch.equal(again.transformer.embed.weight, model.transformer.embed.weight)
+
+
+def test_load_state_adopts_meta_parameters_and_never_ties_by_accident():
+    from pretune.checkpoint import empty_parameters, load_state
+
+    with empty_parameters():
+        model = pretune.build_model("tiny-gpt2", tie_embeddings=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())  # buffers are computed, so they stay real
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # only inside the context
+    state = {k: torch.randn(v.shape) for k, v in pretune.checkpoint.unique_state(model).items()}
+    state["head.weight"] = state["transformer.embed.weight"]  # one tensor under two keys
+    grads = {k: p.requires_grad for k, p in model.named_parameters()}
+    load_state(model, state, source="test")
+    assert model.head.weight is not model.transformer.embed.weight
+    assert model.head.weight.data_ptr() != model.transformer.embed.weight.data_ptr()  # a copy: no accidental tie
+    assert torch.equal(model.head.weight, model.transformer.embed.weight)
+    assert {k: p.requires_grad for k, p in model.named_parameters()} == grads
+    with torch.no_grad():
+        model.transformer.embed.weight.add_(1.0)
+    assert not torch.equal(model.head.weight, model.transformer.embed.weight)
+
+
+def test_empty_parameters_restores_module_construction_after_an_error():
+    from pretune.checkpoint import empty_parameters
+
+    with pytest.raises(RuntimeError), empty_parameters():
+        torch.nn.Linear(2, 2)
+        raise RuntimeError("boom")
+    assert not torch.nn.Linear(2, 2).weight.is_meta

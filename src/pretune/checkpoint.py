@@ -7,6 +7,7 @@ Weights are never unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -52,9 +53,40 @@ def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def empty_parameters():
+    """Within it, every parameter a module registers lives on the meta device: building a model costs neither its
+    memory nor its random initialisation, and :func:`load_state` then makes each parameter the checkpoint's own
+    tensor, so loading holds the weights once (not a random copy beside the file's). Buffers stay real (RoPE's
+    frequencies are computed, not stored). Patches ``nn.Module.register_parameter`` for its duration, as
+    ``accelerate.init_empty_weights`` does: build nothing else in other threads meanwhile.
+
+    Tensors read from a safetensors file are mapped from it privately (copy-on-write, as transformers loads them):
+    a parameter costs memory once it is read or written, and writing to it never touches the file. A file
+    overwritten in place while a model loaded from it lives would show through; pretune itself replaces files
+    by renaming a new one into place, which leaves a loaded model's mapping as it was."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], *, source: str) -> None:
     """Copy ``tensors`` into ``model`` strictly: every expected tensor present, none unexpected,
-    shapes equal. Raises CheckpointError naming the offending tensor and ``source``."""
+    shapes equal. Raises CheckpointError naming the offending tensor and ``source``.
+
+    Parameters on the meta device (a model built under :func:`empty_parameters`) are not copied into: each becomes
+    the given tensor itself, in the parameter's dtype, contiguous and owning its storage (a copy only where it is
+    not), wherever the parameter is tied. ``tensors`` then belongs to the model: pass tensors nothing else holds
+    (read from a file)."""
     expected = unique_state(model)
     missing = [k for k in expected if k not in tensors]
     unexpected = [k for k in tensors if k not in expected]
@@ -68,9 +100,29 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], *, source: st
         if tuple(tensors[k].shape) != tuple(t.shape):
             raise CheckpointError(f"{source}: tensor {k!r} has shape {tuple(tensors[k].shape)}, "
                                   f"the model expects {tuple(t.shape)}")
+    adopted: dict[int, nn.Parameter] = {}  # id(meta parameter) -> the parameter that replaces it
+    taken: set[int] = set()  # storages already adopted: a second key gets a copy (no accidental tie)
     with torch.no_grad():
-        for k, t in expected.items():
-            t.copy_(tensors[k])
+        for k, t in model.state_dict(keep_vars=True).items():
+            if k not in expected:
+                continue  # a second name of a tied tensor
+            if not t.is_meta:
+                t.copy_(tensors[k])
+                continue
+            data = tensors[k].detach().to(device="cpu", dtype=t.dtype).contiguous()
+            storage = data.untyped_storage()
+            if storage.data_ptr() in taken or storage.nbytes() != data.numel() * data.element_size():
+                data = data.clone()  # a view of a larger tensor would keep all of it alive
+            taken.add(data.untyped_storage().data_ptr())
+            adopted[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad)
+    if adopted:
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in adopted:
+                    m._parameters[name] = adopted[id(p)]
+    left = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    if left:
+        raise CheckpointError(f"{source}: no tensor for {left[0]!r} (the model holds it outside its parameters)")
 
 
 def atomic_folder(path: str | os.PathLike):
@@ -252,10 +304,12 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
         raise CheckpointError(f"{path}: missing {CONFIG_NAME}")
     config = ModelConfig.load(path / CONFIG_NAME)
     tensors = read_weights(path / WEIGHTS_NAME)
-    model = TransformerLM(config)
+    with empty_parameters():
+        model = TransformerLM(config)
     load_state(model, tensors, source=str(path / WEIGHTS_NAME))
     model.to(device=device, dtype=dtype)
     return model.eval()
 
 
-__all__ = ["save", "load", "CheckpointError", "ConfigError", "unique_state", "load_state", "atomic_folder"]
+__all__ = ["save", "load", "CheckpointError", "ConfigError", "unique_state", "load_state", "empty_parameters",
+           "atomic_folder"]

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CONFIG_NAME, TOKENIZER_NAME, CheckpointError, load, load_state, save, unique_state
+from .checkpoint import (
+    CONFIG_NAME,
+    TOKENIZER_NAME,
+    CheckpointError,
+    empty_parameters,
+    load,
+    load_state,
+    save,
+    unique_state,
+)
 from .config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,7 +45,8 @@ def checkpoint_model(ckpt: str | Path):
     from .model import TransformerLM
 
     cfg = ModelConfig.load(ckpt / CONFIG_NAME)
-    model = TransformerLM(cfg)
+    with empty_parameters():  # the tensors read below become the parameters (the weights held once)
+        model = TransformerLM(cfg)
     try:
         tensors = read_sharded(ckpt / SHARDED_DIR)
     except Exception as e:  # noqa: BLE001 - the checkpoint reader fails on a torn file in several ways

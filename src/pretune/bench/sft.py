@@ -10,7 +10,13 @@ checkpoint, AdamW on the adapter weights; one step = forward, loss, backward, op
 * pretune: ``load_pretrained`` + ``pretune.peft`` LoRA; the loss is the SFT task's (the LM head runs only on the
   labelled rows, fused with the cross-entropy);
 * peft: ``AutoModelForCausalLM`` (SDPA) + ``peft.get_peft_model``; ``model(input_ids, attention_mask,
-  labels).loss``, as a transformers/TRL training loop computes it.
+  labels).loss`` and ``torch.optim.AdamW``, the loop a transformers user writes;
+* trl (when ``trl`` is installed: ``pip install "pretune[trl]"``): TRL's ``SFTTrainer`` on the same model, LoRA
+  config and rows (a pre-tokenised dataset of ``input_ids`` and ``labels``, so TRL tokenises nothing and masks
+  nothing itself), with its defaults otherwise: its chunked LM head (per-token log-probabilities without the full
+  logits), the entropy and token-accuracy metrics it computes every step, ``Trainer``'s AdamW and gradient
+  clipping. Its step time is the time between the trainer's consecutive step ends (data loading and callbacks
+  included: what a user of the trainer waits for).
 
 Each measurement runs in its own process, the sides alternate (the order reversed every other round); the step
 time is the median of the timed steps, tokens/s = batch x seq / step time, peak memory is the process's peak RSS.
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 
 from .common import add_run_arguments, spawn_worker
 
-IMPLS = ("pretune", "peft")
+IMPLS = ("pretune", "peft", "trl")
 TARGET_SPEED = 1.5  # pretune tokens/s at least this many times peft's
 TARGET_MEMORY = 0.8  # at no more than this share of peft's peak RSS
 PROMPT = "Is this SMS message spam? Answer ham or spam.\n\n{text}"
@@ -130,6 +136,8 @@ def run_worker(job: Job) -> dict:
 
     with np.load(job.batch_file) as f:
         batch = {k: f[k] for k in ("input_ids", "attention_mask", "labels")}
+    if job.impl == "trl":
+        return _trl_worker(job, folder, batch)
     model, loss_fn = _train_step_fn(job, folder, batch)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -149,6 +157,60 @@ def run_worker(job: Job) -> dict:
             "targets": int((batch["labels"][:, 1:] != -100).sum()), "trainable": sum(p.numel() for p in params),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "threads": torch.get_num_threads()}
+
+
+def _trl_worker(job: Job, folder, batch: dict) -> dict:
+    """TRL's ``SFTTrainer`` for ``warmup + steps`` optimizer steps over the same rows (every step the same batch,
+    as on the other sides); the step times are the gaps between the trainer's step ends."""
+    import tempfile
+
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    import peft as hf_peft
+
+    ends: list[float] = []
+    losses: list[float] = []
+
+    class StepEnds(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+    class Trainer(trl.SFTTrainer):
+        def compute_loss(self, *args, **kwargs):
+            out = super().compute_loss(*args, **kwargs)
+            if self.model.training:
+                losses.append(float((out[0] if isinstance(out, tuple) else out).detach()))
+            return out
+
+    rows = datasets.Dataset.from_dict({"input_ids": batch["input_ids"].tolist(), "labels": batch["labels"].tolist()})
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with tempfile.TemporaryDirectory(prefix="pretune-bench-trl-") as out:
+        args = trl.SFTConfig(
+            output_dir=out, per_device_train_batch_size=job.batch, max_steps=job.warmup + job.steps,
+            learning_rate=1e-4, lr_scheduler_type="constant", max_length=job.seq, packing=False,
+            bf16=job.dtype == "bf16", use_cpu=True, save_strategy="no", report_to=[], logging_steps=10**6,
+            disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
+                          peft_config=hf_peft.LoraConfig(r=job.r, lora_alpha=2 * job.r, lora_dropout=0.0,
+                                                         target_modules=["q_proj", "v_proj"]),
+                          callbacks=[StepEnds()])
+        trainer.train()
+    gaps = [b - a for a, b in zip(ends, ends[1:])][job.warmup:]
+    step = statistics.median(gaps)
+    return {"step_s": step, "tokens_per_s": job.batch * job.seq / step, "first_loss": losses[0],
+            "targets": int((batch["labels"][:, 1:] != -100).sum()),
+            "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "threads": torch.get_num_threads(), "optimizer": type(trainer.optimizer.optimizer).__name__
+            if hasattr(trainer.optimizer, "optimizer") else type(trainer.optimizer).__name__,
+            "trl_version": trl.__version__}
 
 
 def _eval_worker(job: Job, folder) -> dict:
@@ -172,7 +234,20 @@ def _eval_worker(job: Job, folder) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0, **job_kw) -> list[dict]:
+REFERENCES = ("peft", "trl")  # pretune's tokens/s and memory are compared with each of these
+
+
+def available_impls(impls=IMPLS) -> tuple[str, ...]:
+    """``impls`` less TRL when it is not installed and was not asked for by name (then it is an error)."""
+    import importlib.util
+
+    if "trl" in impls and importlib.util.find_spec("trl") is None:
+        return tuple(i for i in impls if i != "trl")
+    return tuple(impls)
+
+
+def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0, impls=IMPLS,
+              **job_kw) -> list[dict]:
     import tempfile
     from pathlib import Path
 
@@ -181,6 +256,7 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
 
     from ..realmodels import smollm2_dir
 
+    impls = tuple(impls)
     samples: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="pretune-bench-sft-") as tmp:
         batch_file = str(Path(tmp) / "batch.npz")
@@ -188,7 +264,7 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
         plan = []
         for r in range(rounds):
             for dt in dtypes:
-                order = IMPLS if r % 2 == 0 else tuple(reversed(IMPLS))
+                order = impls if r % 2 == 0 else tuple(reversed(impls))
                 plan += [Job(impl, dt, batch_file=batch_file, **job_kw) for impl in order]
         if eval_records:
             plan += [Job("eval", dt, eval_records=eval_records, threads=job_kw.get("threads", 0)) for dt in dtypes]
@@ -196,18 +272,24 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
             samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.sft"))
     rows = []
     for dt in dtypes:
-        row = {"bench": "sft", "dtype": dt, **job_kw}
-        for impl in IMPLS:
+        row = {"bench": "sft", "dtype": dt, "impls": list(impls), **job_kw}
+        for impl in impls:
             runs = samples[(dt, impl)]
             row[f"{impl}_tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in runs)
             row[f"{impl}_runs"] = [round(x["tokens_per_s"], 1) for x in runs]
             row[f"{impl}_peak_rss_mb"] = max(x["peak_rss_mb"] for x in runs)
             row[f"{impl}_first_loss"] = runs[0]["first_loss"]
             row[f"{impl}_trainable"] = runs[0]["trainable"]
-        row["targets"] = samples[(dt, "pretune")][0]["targets"]
-        row["speed_ratio"] = row["pretune_tokens_per_s"] / row["peft_tokens_per_s"]
-        row["memory_ratio"] = row["pretune_peak_rss_mb"] / row["peft_peak_rss_mb"]
-        row["target_met"] = bool(row["speed_ratio"] >= TARGET_SPEED and row["memory_ratio"] <= TARGET_MEMORY)
+        row["targets"] = samples[(dt, impls[0])][0]["targets"]
+        if "pretune" in impls:
+            for ref in REFERENCES:
+                if ref not in impls:
+                    continue
+                pre = "" if ref == "peft" else f"{ref}_"  # the issue's reference (peft) keeps the plain names
+                speed = row["pretune_tokens_per_s"] / row[f"{ref}_tokens_per_s"]
+                memory = row["pretune_peak_rss_mb"] / row[f"{ref}_peak_rss_mb"]
+                row.update({f"{pre}speed_ratio": speed, f"{pre}memory_ratio": memory,
+                            f"{pre}target_met": bool(speed >= TARGET_SPEED and memory <= TARGET_MEMORY)})
         if (dt, "eval") in samples:
             e = samples[(dt, "eval")][0]
             row.update(eval_records=eval_records, eval_s=e["eval_s"], eval_records_per_s=e["records_per_s"],
@@ -219,16 +301,20 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
 def format_rows(rows: list[dict]) -> str:
     lines = []
     for r in rows:
+        impls = r.get("impls", IMPLS[:2])
         lines.append(f"{r['dtype']}: LoRA SFT step, SmolLM2-135M, batch {r['batch']} x {r['seq']} "
                      f"({r['targets']} labelled targets)")
         head = f"  {'side':<9}{'tokens/s':>10}{'peak MB':>9}{'first loss':>12}  rounds"
         lines += [head, "  " + "-" * (len(head) + 20)]
-        for impl in IMPLS:
+        for impl in impls:
             lines.append(f"  {impl:<9}{r[f'{impl}_tokens_per_s']:>10.0f}{r[f'{impl}_peak_rss_mb']:>9.0f}"
                          f"{r[f'{impl}_first_loss']:>12.4f}  {r[f'{impl}_runs']}")
-        lines.append(f"  pretune vs peft: {r['speed_ratio']:.2f}x tokens/s at {r['memory_ratio']:.2f}x peak memory "
-                     f"(target >= {TARGET_SPEED:g}x at <= {TARGET_MEMORY:g}x: "
-                     f"{'met' if r['target_met'] else 'NOT met'})")
+        for ref in REFERENCES:
+            pre = "" if ref == "peft" else f"{ref}_"
+            if f"{pre}speed_ratio" in r:
+                lines.append(f"  pretune vs {ref}: {r[f'{pre}speed_ratio']:.2f}x tokens/s at "
+                             f"{r[f'{pre}memory_ratio']:.2f}x peak memory (target >= {TARGET_SPEED:g}x at <= "
+                             f"{TARGET_MEMORY:g}x: {'met' if r[f'{pre}target_met'] else 'NOT met'})")
         if "eval_s" in r:
             lines.append(f"  evaluation: {r['eval_records']} test records in {r['eval_s']:.1f} s "
                          f"({r['eval_records_per_s']:.2f} records/s), zero-shot accuracy {r['eval_accuracy']:.4f}")
@@ -246,11 +332,22 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--eval", type=int, default=100, metavar="N",
                    help="also time scoring N sms_spam test records by generation (default 100; 0: skip)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, metavar="IMPL",
+                   help=f"sides to time (default: {', '.join(IMPLS)}; trl only when it is installed: "
+                        "pip install 'pretune[trl]')")
 
 
 def run_cli(args) -> int:
-    rows = bench_sft(dtypes=tuple(args.dtypes), rounds=args.rounds, eval_records=args.eval, batch=args.batch,
-                     seq=args.seq, r=args.r, steps=args.steps, warmup=args.warmup, threads=args.threads)
+    impls = tuple(args.impls) if args.impls else available_impls()
+    if "trl" in impls and available_impls(impls) != impls:
+        print("pretune bench sft: --impls trl needs TRL: pip install 'pretune[trl]'", file=sys.stderr)
+        return 2
+    if args.impls is None and "trl" not in impls:
+        print("pretune bench sft: TRL is not installed, so its SFTTrainer is not timed (pip install 'pretune[trl]')",
+              file=sys.stderr)
+    rows = bench_sft(dtypes=tuple(args.dtypes), rounds=args.rounds, eval_records=args.eval, impls=impls,
+                     batch=args.batch, seq=args.seq, r=args.r, steps=args.steps, warmup=args.warmup,
+                     threads=args.threads)
     from .common import report
 
     return report(rows, format_rows(rows), args.json)

@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, load_state, owned, read_weights, unique_state
+from ..checkpoint import CheckpointError, atomic_folder, empty_parameters, load_state, owned, read_weights, unique_state
 from ..config import TASK_HEADS, ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
@@ -306,7 +306,7 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
     if model_type is None:
         raise InteropError(f"{path / 'config.json'}: no 'model_type' key")
     fam = family_of(model_type)
-    tensors = read_hf_weights(path)  # any float dtype: load_state copies into the fp32 model
+    tensors = read_hf_weights(path)  # any float dtype: load_state converts each to fp32
     try:
         config = fam.config_from_hf(hf_config, set(tensors))
         eos = hf_config.get("eos_token_id")  # where generation ends; a list (Llama 3): its first id
@@ -317,7 +317,9 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None):
         raise InteropError(f"{path}: {e}") from None
     if config.head not in TASK_HEADS and config.pooling is None and sentence_pooling(path) == "mean":
         config = config.replace(pooling="mean")  # a task head added later reads what the checkpoint was trained on
-    model = TransformerLM(config)
+    with empty_parameters():  # the file's tensors become the parameters: the weights are held once
+        model = TransformerLM(config)
+    del tensors
     load_state(model, ours, source=f"{path} (converted from {model_type})")
     if dtype is not None:
         model.to(dtype)
