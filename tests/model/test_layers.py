@@ -209,6 +209,36 @@ def test_gated_ffn_recomputing_its_inner_activation_gives_the_plain_gradients(ff
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("frozen", [(), ("down_proj",), ("gate_proj", "up_proj", "down_proj")])
+def test_gated_ffn_backward_computes_only_the_gradients_asked_for(frozen):
+    """A frozen down projection (a LoRA base) gets no weight-gradient product in the backward: of the two
+    (N, ffn) x (ffn, dim)-sized products there, only the input gradient's runs (counted with FlopCounterMode).
+    Gradients that are asked for equal the plain path's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretune.model.layers import FeedForward
+
+    torch.manual_seed(0)
+    n, dim, f = 15, 16, 24
+    ffn_mod = FeedForward(ModelConfig(arch="decoder", head="lm", vocab_size=10, dim=dim, n_layers=1, n_heads=2,
+                                      ffn_dim=f, ffn="swiglu"))
+    for name in frozen:
+        getattr(ffn_mod, name).weight.requires_grad_(False)
+    x = torch.randn(n, dim, requires_grad=True)
+    y = ffn_mod(x)
+    with FlopCounterMode(display=False) as counter:
+        got = torch.autograd.grad(y, [x, *(p for p in ffn_mod.parameters() if p.requires_grad)], torch.ones_like(y))
+    product = 2 * n * f * dim  # one (n, f) x (f, dim) product
+    down_backward = product * (1 + ("down_proj" not in frozen))  # input gradient, and the weight's if it trains
+    gate_up_backward = 2 * product * (1 + ("gate_proj" not in frozen))  # (gate and up: twice the size)
+    assert counter.get_total_flops() == down_backward + gate_up_backward
+    plain = ffn_mod.down_proj(ffn_mod.act(ffn_mod.gate_proj(x)) * ffn_mod.up_proj(x))
+    want = torch.autograd.grad(plain, [x, *(p for p in ffn_mod.parameters() if p.requires_grad)],
+                               torch.ones_like(y))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("cls", ["rmsnorm", "rmsnorm_plus_one"])
 def test_rms_norm_on_few_rows_outside_autograd_is_the_kernel_up_to_rounding(cls, monkeypatch):
     """A decoding step's RMSNorm (a few fp32 rows on the CPU, no autograd) runs as one layer_norm over (x, -x): the

@@ -347,19 +347,20 @@ class _GatedDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate_up, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.enable_grad():
-            leaf = gate_up.detach().requires_grad_()
+            leaf = gate_up.detach().requires_grad_(need_x)
             gate, up = leaf.chunk(2, dim=-1)
             inner = ctx.act(gate) * up
-        w = weight.to(inner.dtype)
-        grad_inner = grad_out @ w  # (..., F)
         flat = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = (flat.t() @ inner.detach().reshape(-1, inner.shape[-1])).to(weight.dtype)
+        # a frozen down projection (a LoRA base) gets no weight gradient: that product is a third of this backward
+        grad_w = (flat.t() @ inner.detach().reshape(-1, inner.shape[-1])).to(weight.dtype) if need_w else None
         grad_b = flat.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_gate_up = None
-        if ctx.needs_input_grad[0]:
+        if need_x:
+            grad_inner = grad_out @ weight.to(inner.dtype)  # (..., F)
             (grad_gate_up,) = torch.autograd.grad(inner, leaf, grad_inner)
-        return grad_gate_up, (grad_w if ctx.needs_input_grad[1] else None), grad_b, None
+        return grad_gate_up, grad_w, grad_b, None
 
 
 class FeedForward(nn.Module):
