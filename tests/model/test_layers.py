@@ -209,6 +209,31 @@ def test_gated_ffn_recomputing_its_inner_activation_gives_the_plain_gradients(ff
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("ffn", ["swiglu", "geglu", "geglu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_ffn_backward_written_in_place_is_bitwise_autograds(ffn, dtype, monkeypatch):
+    """For SiLU and both GELUs the backward computes d gate and d up with the activation's own backward kernel
+    straight into one buffer (no concatenation): bitwise the gradients autograd gives through the recomputed
+    activation."""
+    from pretune.model import layers
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(4, 7, 2 * 24, dtype=dtype, requires_grad=True)
+    weight = torch.randn(16, 24, dtype=dtype, requires_grad=True)
+    g = torch.randn(4, 7, 16, dtype=dtype)
+    act = layers.ACTIVATIONS[layers.FFNS[ffn][1]]
+
+    def grads():
+        y = layers._GatedDown.apply(gate_up, weight, None, act)
+        return torch.autograd.grad(y, [gate_up, weight], g)
+
+    direct = grads()
+    monkeypatch.setattr(layers, "_ACT_BACKWARD", {})
+    through_autograd = grads()
+    for a, b in zip(direct, through_autograd, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("frozen", [(), ("down_proj",), ("gate_proj", "up_proj", "down_proj")])
 def test_gated_ffn_backward_computes_only_the_gradients_asked_for(frozen):
     """A frozen down projection (a LoRA base) gets no weight-gradient product in the backward: of the two

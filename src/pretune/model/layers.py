@@ -329,11 +329,21 @@ class _StackedLinear(torch.autograd.Function):
         return grad_x, grad_bias, *grads
 
 
+# act -> fn(grad, x, out): act's backward at x written into ``out`` (the kernels autograd's own backward nodes run)
+_ACT_BACKWARD = {
+    F.silu: lambda grad, x, out: torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out),
+    F.gelu: lambda grad, x, out: torch.ops.aten.gelu_backward.grad_input(grad, x, approximate="none",
+                                                                        grad_input=out),
+    _gelu_tanh: lambda grad, x, out: torch.ops.aten.gelu_backward.grad_input(grad, x, approximate="tanh",
+                                                                            grad_input=out),
+}
+
+
 class _GatedDown(torch.autograd.Function):
     """down(act(gate) * up) from the fused gate/up output with only that output saved for the backward: the inner
     activation act(gate) * up (and act(gate)) are recomputed there instead of kept, two (N, ffn_dim) tensors per
     layer fewer held between forward and backward. Same kernels as the plain path (linear; the activation's own
-    backward through autograd), so the same values and gradients."""
+    backward kernel), so the same values and gradients."""
 
     @staticmethod
     def forward(ctx, gate_up, weight, bias, act):  # gate_up (..., 2F) = [gate | up]; weight (dim, F)
@@ -348,12 +358,35 @@ class _GatedDown(torch.autograd.Function):
     def backward(ctx, grad_out):
         gate_up, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        act_backward = _ACT_BACKWARD.get(ctx.act)
+        if act_backward is None or grad_out.dtype != gate_up.dtype:
+            return _GatedDown._backward_through_autograd(ctx, grad_out, gate_up, weight, need_x, need_w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        a = ctx.act(gate)
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        # a frozen down projection (a LoRA base) gets no weight gradient: that product is a third of this backward
+        grad_w = (flat.t() @ (a * up).reshape(-1, a.shape[-1])).to(weight.dtype) if need_w else None
+        grad_b = flat.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_gate_up = None
+        if need_x:
+            # d inner = grad_out W; d up = d inner * act(gate); d gate = act'(gate) * (d inner * up): what autograd's
+            # Mul and activation nodes compute, written straight into the two halves of one (..., 2F) gradient
+            # (autograd would allocate each and concatenate them for the chunk)
+            grad_inner = grad_out @ weight.to(a.dtype)  # (..., F)
+            grad_gate_up = torch.empty_like(gate_up)
+            grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+            torch.mul(grad_inner, a, out=grad_up)
+            act_backward(grad_inner.mul_(up), gate, grad_gate)
+        return grad_gate_up, grad_w, grad_b, None
+
+    @staticmethod
+    def _backward_through_autograd(ctx, grad_out, gate_up, weight, need_x: bool, need_w: bool):
+        """Any other activation (or mixed dtypes): recompute under autograd and let it differentiate."""
         with torch.enable_grad():
             leaf = gate_up.detach().requires_grad_(need_x)
             gate, up = leaf.chunk(2, dim=-1)
             inner = ctx.act(gate) * up
         flat = grad_out.reshape(-1, grad_out.shape[-1])
-        # a frozen down projection (a LoRA base) gets no weight gradient: that product is a third of this backward
         grad_w = (flat.t() @ inner.detach().reshape(-1, inner.shape[-1])).to(weight.dtype) if need_w else None
         grad_b = flat.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_gate_up = None
