@@ -250,7 +250,7 @@ def test_load_holds_the_weights_once_the_files_tensors_become_the_parameters(tmp
         assert p.data_ptr() == read[name].data_ptr(), name  # the file's tensor itself
     assert loaded.head.weight is loaded.transformer.embed.weight  # still tied
     assert torch.equal(_outputs(loaded), _outputs(model))
-    # writing to a parameter changes neither the file nor a second load (the mapping is private)
+    # the tensors were read into memory, not mapped: writing to a parameter changes neither the file nor a second load
     with torch.no_grad():
         loaded.transformer.embed.weight.add_(1.0)
     again = pretune.load(tmp_path / "ckpt")
@@ -281,7 +281,11 @@ def test_load_state_adopts_meta_parameters_and_never_ties_by_accident():
 def test_empty_parameters_restores_module_construction_after_an_error():
     from pretune.checkpoint import empty_parameters
 
+    normal = torch.nn.init.normal_
     with pytest.raises(RuntimeError), empty_parameters():
         torch.nn.Linear(2, 2)
+        real = torch.zeros(50)
+        assert torch.nn.init.normal_(real) is real and real.std() > 0.5  # initialisers still work on real tensors
         raise RuntimeError("boom")
     assert not torch.nn.Linear(2, 2).weight.is_meta
+    assert torch.nn.init.normal_ is normal
