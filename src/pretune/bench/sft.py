@@ -208,9 +208,8 @@ def _trl_worker(job: Job, folder, batch: dict) -> dict:
             "targets": int((batch["labels"][:, 1:] != -100).sum()),
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "threads": torch.get_num_threads(), "optimizer": type(trainer.optimizer.optimizer).__name__
-            if hasattr(trainer.optimizer, "optimizer") else type(trainer.optimizer).__name__,
-            "trl_version": trl.__version__}
+            "threads": torch.get_num_threads(), "trl_version": trl.__version__,
+            "optimizer": getattr(trainer.args.optim, "value", trainer.args.optim)}
 
 
 def _eval_worker(job: Job, folder) -> dict:
