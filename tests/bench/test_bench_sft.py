@@ -1,4 +1,4 @@
-"""`pretune bench sft`: the batch both sides train on, the two sides computing the same loss, and the table."""
+"""`pretune bench sft`: the batch every side trains on, the sides computing the same loss, and the table."""
 
 import numpy as np
 import pytest
@@ -47,22 +47,27 @@ def test_trl_is_timed_only_where_it_is_installed(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
-    assert available_impls() == ("pretune", "peft")
+    assert available_impls() == ("pretune", "pretune-ac", "peft")
     assert available_impls(("pretune", "peft")) == ("pretune", "peft")
 
 
 def test_format_rows_reports_ratios_and_target():
     row = {"dtype": "bf16", "batch": 8, "seq": 256, "targets": 121, "speed_ratio": 1.6, "memory_ratio": 0.7,
            "target_met": True, "eval_records": 100, "eval_s": 20.0, "eval_records_per_s": 5.0, "eval_accuracy": 0.5}
-    for impl, tps in zip(IMPLS[:2], (1600.0, 1000.0)):
+    for impl, tps in zip(("pretune", "peft"), (1600.0, 1000.0)):
         row.update({f"{impl}_tokens_per_s": tps, f"{impl}_peak_rss_mb": 700.0, f"{impl}_first_loss": 1.1,
                     f"{impl}_runs": [tps]})
     text = format_rows([row])
     assert "pretune vs peft: 1.60x tokens/s at 0.70x peak memory (target >= 1.5x at <= 0.8x: met)" in text
-    assert "pretune vs trl" not in text  # a row written before TRL was a side
+    assert "pretune vs trl" not in text and "pretune-ac" not in text  # a row written before TRL was a side
     row.update(impls=list(IMPLS), trl_tokens_per_s=1250.0, trl_peak_rss_mb=800.0, trl_first_loss=1.1,
-               trl_runs=[1250.0], trl_speed_ratio=1.28, trl_memory_ratio=0.875, trl_target_met=False)
+               trl_runs=[1250.0], trl_speed_ratio=1.28, trl_memory_ratio=0.875, trl_target_met=False,
+               **{"pretune-ac_tokens_per_s": 1300.0, "pretune-ac_peak_rss_mb": 500.0, "pretune-ac_first_loss": 1.1,
+                  "pretune-ac_runs": [1300.0]},
+               trl_ac_speed_ratio=1.04, trl_ac_memory_ratio=0.625, trl_ac_target_met=False)
     text = format_rows([row])
     assert "pretune vs trl: 1.28x tokens/s at 0.88x peak memory (target >= 1.5x at <= 0.8x: NOT met)" in text
+    assert "pretune-ac vs trl: 1.04x tokens/s at 0.62x peak memory (target >= 1.5x at <= 0.8x: NOT met)" in text
     assert text.count("1250") == 2  # its tokens/s and its rounds
+    assert ["pretune-ac", "1300", "500"] in [line.split()[:3] for line in text.splitlines()]
     assert "100 test records in 20.0 s (5.00 records/s)" in text

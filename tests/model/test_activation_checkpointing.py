@@ -67,3 +67,27 @@ def test_no_recomputation_in_evaluation_or_generation():
     with torch.no_grad():
         b = model(input_ids=ids).logits
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method,targets", [("lora", ["q_proj", "v_proj"]), ("lora", ["all-linear"]), ("ia3", None)])
+def test_adapter_gradients_equal_the_plain_backward_on_a_frozen_base(method, targets):
+    """The PEFT case (what TRL's SFTTrainer recomputes by default): a frozen base whose blocks' inputs need no
+    gradient from the embedding, stacked frozen weights, the gated FFN's own backward; only the adapters train."""
+    from pretune import peft
+
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", dropout=0.0).train()
+    kw = {"targets": targets} if targets is not None else {}
+    peft.inject(model, peft.PeftConfig(method=method, **kw))
+    for p in model.parameters():  # adapters that start at zero (LoRA's B) would hide a wrong gradient
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(5, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    loss, grads = _grads(model, batch)
+    model.checkpoint_blocks(True)
+    loss_ckpt, grads_ckpt = _grads(model, batch)
+    assert torch.equal(loss, loss_ckpt)
+    assert grads.keys() == grads_ckpt.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    for n in grads:
+        torch.testing.assert_close(grads_ckpt[n], grads[n], atol=1e-6, rtol=0, msg=n)
