@@ -175,6 +175,39 @@ def test_rms_norm_kernel_equals_the_composite_bitwise_forward_and_backward(shape
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("trained_gain", [True, False])
+def test_rms_norm_under_autograd_has_torchs_forward_and_gradients_and_keeps_less(trained_gain):
+    """In training RMSNorm runs its own autograd function (the backward written out): the forward bitwise torch's
+    kernel, the gradients to rounding; it keeps x and one value per row, where autograd through the kernel keeps
+    more; a frozen gain gets no gradient computed (PEFT)."""
+    from pretune.model.layers import RMSNorm, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+    norm.weight.requires_grad_(trained_gain)
+    x = (3 * torch.randn(4, 33, 64, generator=g)).requires_grad_()
+    grad = torch.randn(4, 33, 64, generator=g)
+    inputs = [x, norm.weight] if trained_gain else [x]
+
+    def saved(fn):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            y = fn()
+        return y, sum(t.numel() for t in kept if t is not norm.weight)
+
+    y, ours = saved(lambda: norm(x))
+    ref, theirs = saved(lambda: rms_norm(x, (64,), norm.weight, 1e-6))
+    assert y.grad_fn is not None and "RMSNorm" in type(y.grad_fn).__name__
+    assert torch.equal(y, ref)
+    for a, b in zip(torch.autograd.grad(y, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ours == x.numel() + 4 * 33 < theirs
+    with torch.no_grad():  # outside autograd: the kernel as before
+        assert torch.equal(norm(x), ref)
+
+
 @pytest.mark.parametrize("ffn", ["swiglu", "geglu", "reglu"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_ffn_recomputing_its_inner_activation_gives_the_plain_gradients(ffn, bias):

@@ -27,6 +27,32 @@ def _rms_norm_fused(x, shape, weight, eps):
 rms_norm = _rms_norm_fused if hasattr(torch, "_fused_rms_norm") else _rms_norm_composite
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm under autograd with its backward written out: y = x * r * w, r = 1 / sqrt(mean(x^2) + eps) (in
+    fp32), and dL/dx = r * (g w - x_hat * mean(g w x_hat)) with x_hat = x * r, dL/dw = sum over rows of g x_hat.
+
+    Keeps only x and r (one value per row) for the backward and recomputes x_hat there, where autograd through
+    torch's CPU kernel (2.13: pow, mean, add, rsqrt and two muls, each differentiated) keeps more and makes about
+    twice the passes over the activations; with a frozen gain (every PEFT base) dL/dw is not computed at all. The
+    forward is bitwise torch's; the input gradient agrees to rounding (tests/model/test_layers.py). Used for fp32
+    inputs only (under bf16 autocast the residual stream, so every norm's input, is fp32 too)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, r)
+        return (x * r).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        x_hat = x * r
+        gw = g * weight
+        dx = torch.addcmul(gw, x_hat, (gw * x_hat).mean(-1, keepdim=True), value=-1).mul_(r)
+        dw = (g * x_hat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
 # Rows up to which a CPU RMSNorm outside autograd runs as one layer_norm (see RMSNorm): the decoding steps.
 LEAN_NORM_ROWS = 64
 _SIGNS = torch.tensor([[1.0], [-1.0]])  # x.unsqueeze(-2) * _SIGNS is (x, -x) in one op
@@ -69,8 +95,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            w = self.weight
+            if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad) and w.dtype == torch.float32
+                    and not torch.compiler.is_compiling()):  # training (compiled: inductor fuses the composite)
+                return _RMSNormFunction.apply(x, w, self.eps)
             y = self._lean(x)
-            return y if y is not None else rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return y if y is not None else rms_norm(x, w.shape, w, self.eps)
         # low precision: normalise in fp32, scale in the weight's dtype (as T5/Llama do)
         y = rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return self.weight.to(x.dtype) * y
