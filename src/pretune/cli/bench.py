@@ -78,11 +78,13 @@ def add_bench_parser(sub) -> None:
          "pretune LoRA r=8 (q, k, v), transformers full finetuning and peft LoRA r=8 (c_attn), each "
          "run in its own process, alternating; reports the median step time (forward, backward, "
          "AdamW), peak RSS, and whether pretune's LoRA step is >= 1.15x faster than peft's."),
-        ("sft", "LoRA SFT step tokens/s and peak memory on SmolLM2 vs transformers + peft",
+        ("sft", "LoRA SFT step tokens/s and peak memory on SmolLM2 vs transformers + peft and TRL",
          "LoRA r=8 (q_proj, v_proj) SFT step of SmolLM2-135M-Instruct on a batch of 8 x 256 chat tokens with "
-         "labels on the assistant turns only, pretune against transformers + peft on identical token ids and "
-         "labels, each run in its own process, alternating; reports tokens/s, peak RSS, whether pretune is "
-         ">= 1.5x faster at <= 0.8x the memory, and how fast the SFT task scores test records by generation."),
+         "labels on the assistant turns only, pretune against transformers + peft and (when installed) TRL's "
+         "SFTTrainer on identical token ids and labels, each run in its own process, alternating; TRL recomputes "
+         "activations by default, so it is compared with pretune-ac (pretune recomputing each block) too. "
+         "Reports tokens/s, peak RSS, whether pretune is >= 1.5x faster at <= 0.8x the memory, and how fast the "
+         "SFT task scores test records by generation."),
         ("distributed", "peak memory per process DDP vs FSDP, and activation checkpointing's memory and time",
          "Under torchrun with 2 processes, a gpt2-medium-sized model's AdamW step with DDP and with FSDP (peak RSS per "
          "process, step time); in one process, a gpt2-sized step at sequence length 1024 with and without activation "
