@@ -40,8 +40,8 @@ FAMILIES = {  # what each family changes in the decoding step
 def _padded(B=3, T=7):
     x = ids(B, T)
     mask = torch.ones(B, T, dtype=torch.long)
-    mask[1, :3] = 0  # left padding
-    mask[2, :1] = 0
+    mask[1:2, :3] = 0  # left padding (rows that exist)
+    mask[2:3, :1] = 0
     return x, mask
 
 
@@ -67,10 +67,10 @@ def _model(family: str):
     return perturbed(tiny(**FAMILIES[family]))
 
 
-def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None):
+def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None, batch=3):
     """Prompt a left-padded batch into two caches, then decode ``steps`` tokens (past the sliding window) through
     the forward and through the flat step: the logits must be equal, bitwise."""
-    x, mask = _padded()
+    x, mask = _padded(batch)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
@@ -79,7 +79,7 @@ def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None):
         flat = FlatDecoder.of(model)
         token, p = x[:, -1:], pos[:, -1:]
         for _ in range(steps):
-            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)
             p = p + 1
             want = model(token, mask, position_ids=p, past_key_values=theirs, use_cache=True,
                          logits_to_keep=1).logits[:, -1]
@@ -90,11 +90,28 @@ def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None):
     assert ours.length == theirs.length == 7 + steps
 
 
+@pytest.mark.parametrize("batch", [3, 1])
 @pytest.mark.parametrize("family", sorted(FAMILIES) + [f"peft:{m}" for m in sorted(PEFT)])
-def test_flat_step_is_bitwise_the_forward_with_a_cache(family):
+def test_flat_step_is_bitwise_the_forward_with_a_cache(family, batch):
     model = _model(family)
     assert _why_not(model) is None
-    _assert_steps_bitwise(model, autocast="bf16-base" in family)  # (a bf16 base runs under autocast)
+    _assert_steps_bitwise(model, autocast="bf16-base" in family, batch=batch)  # (a bf16 base runs under autocast)
+
+
+@pytest.mark.parametrize("family,rows", [("llama", True), ("gemma2", True), ("qwen3", True), ("gpt2", False)])
+def test_one_row_steps_carry_the_residual_as_signed_rows_where_every_norm_is_an_rmsnorm(family, rows, monkeypatch):
+    """Batch 1 with RMSNorms only: the residual stream is (x, -x), each residual sum one addcmul with the signs and
+    each norm a layer_norm over those rows (the values stay bitwise the forward's: the test above)."""
+    model = _model(family)
+    calls = []
+    real = torch.addcmul
+    monkeypatch.setattr(torch, "addcmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    _assert_steps_bitwise(model, steps=2, batch=1)
+    n = model.config.n_layers
+    assert calls == ([(1, 2, model.config.dim)] * 2 * n * 2 if rows else [])
+    calls.clear()
+    _assert_steps_bitwise(model, steps=2, batch=3)  # more rows: the forward's own norms and sums
+    assert calls == []
 
 
 def test_flat_step_without_padding_or_positions_given():

@@ -25,7 +25,7 @@ from torch import nn
 from .attention import Attention, build_mask, cast_mask
 from .cache import KVCache
 from .heads import LMHead
-from .layers import Dropout, FeedForward, RMSNorm
+from .layers import _SIGNS, Dropout, FeedForward, RMSNorm
 from .transformer import Block, Stack
 
 _NORMS = (RMSNorm, nn.LayerNorm, nn.Identity)  # RMSNorm covers RMSNormPlusOne (a subclass with its own forward)
@@ -43,13 +43,17 @@ class _Layer:
     norms, soft-capped scores, an adapter on a branch's output — the step calls that part's own method, as the
     forward does."""
 
-    __slots__ = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "o", "heads", "kv_heads", "dh", "scale", "gqa", "norm2",
+    __slots__ = ("norm1", "norm1_rows", "norm2_rows",
+                 "qkv_w", "qkv_b", "o_w", "o_b", "o", "heads", "kv_heads", "dh", "scale", "gqa", "norm2",
                  "gated", "act", "up_w", "up_b", "down_w", "down_b", "ffn", "local", "project", "attend", "post1",
                  "post2", "drop1", "drop2")
 
     def __init__(self, block: Block, local: bool):
         attn, ffn = block.attn, block.ffn
         self.norm1, self.norm2 = block.attn_norm.forward, block.ffn_norm.forward
+        # RMSNorms (gain rows, eps) for a step that carries the residual as the rows (x, -x); None: not RMSNorms
+        self.norm1_rows = _rows(block.attn_norm)
+        self.norm2_rows = _rows(block.ffn_norm)
         # sandwich norms (Gemma 2): each branch's output is normalised before the residual sum
         self.post1 = block.attn_post_norm.forward if block.attn_post_norm is not None else None
         self.post2 = block.ffn_post_norm.forward if block.ffn_post_norm is not None else None
@@ -80,6 +84,12 @@ class _Layer:
                 self.up_w, self.up_b = ffn.up_proj.weight, ffn.up_proj.bias
             self.down_w, self.down_b = ffn.down_proj.weight, ffn.down_proj.bias
         self.local = local
+
+
+def _rows(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """An RMSNorm's (2, dim) gain and eps for the layer_norm over the rows (x, -x) (RMSNorm's path for a few rows
+    outside autograd); None for any other norm."""
+    return (norm.rows_gain(), norm.eps) if isinstance(norm, RMSNorm) else None
 
 
 def _why_not(model: nn.Module) -> str | None:
@@ -142,6 +152,12 @@ class FlatDecoder:
         self.layers = [_Layer(b, i in stack.local) for i, b in enumerate(blocks)]
         self.norm = stack.norm.forward if stack.norm is not None else None
         self.head = model.head.forward
+        # every norm an RMSNorm: a step outside autograd carries the residual stream as the rows (x, -x) (B, 2, dim),
+        # so that each norm is RMSNorm's own layer_norm over those rows without building them (2 calls instead of
+        # 4) and each residual sum one addcmul with the signs — the same values, bitwise, in fewer calls
+        self.final_rows = _rows(stack.norm) if stack.norm is not None else (None, None)
+        self.rows = all(layer.norm1_rows is not None and layer.norm2_rows is not None for layer in self.layers) and (
+            stack.norm is None or self.final_rows is not None)
 
     @staticmethod
     def of(model: nn.Module) -> FlatDecoder | None:
@@ -177,13 +193,23 @@ class FlatDecoder:
             rotations = (rotate, rotate if stack.local_position is None else
                          stack.local_position.rotation(position_ids))
         caches = [cache.layer(i) for i in range(len(self.layers))]
-        sdpa, linear = F.scaled_dot_product_attention, F.linear
+        sdpa, linear, layer_norm, addcmul = F.scaled_dot_product_attention, F.linear, F.layer_norm, torch.addcmul
+        # the rows (x, -x), where RMSNorm itself would take its layer_norm path (see __init__); one row only: with
+        # more, a norm's output (B, 1, dim) taken from the (B, 2, dim) rows has other strides than the forward's,
+        # and the projections' matmuls round differently on them
+        rows = self.rows and B == 1 and x.is_cpu and x.dtype == torch.float32 and not torch.is_grad_enabled()
+        if rows:
+            x2, pair = x * _SIGNS, (2, x.shape[-1])  # (B, 2, dim)
         for layer, lc in zip(self.layers, caches):
             mask = local if layer.local else full
             rotate = rotations[layer.local]
             H, Hkv, dh = layer.heads, layer.kv_heads, layer.dh
             # attention: x + [post](o(attend(rope(qkv(norm(x))))))
-            h = layer.norm1(x)
+            if rows:
+                gain, eps = layer.norm1_rows
+                h = layer_norm(x2, pair, gain, None, eps).narrow(1, 0, 1)
+            else:
+                h = layer.norm1(x)
             if layer.project is None:  # the fused path: one token's heads, head-major (B, H + 2 Hkv, 1, Dh)
                 y = linear(h, layer.qkv_w, layer.qkv_b)
                 y = y.view(B, -1, 1, dh) if rotate is None else rotate.step(y, H + Hkv, dh)
@@ -204,9 +230,15 @@ class FlatDecoder:
             a = linear(a, layer.o_w, layer.o_b) if layer.o is None else layer.o(a)
             if layer.post1 is not None:
                 a = layer.post1(a)
-            x = x + (a if layer.drop1 is None else layer.drop1(a))
+            a = a if layer.drop1 is None else layer.drop1(a)
+            if rows:
+                x2 = addcmul(x2, a, _SIGNS)  # (x + a, -x - a)
+                gain, eps = layer.norm2_rows
+                h = layer_norm(x2, pair, gain, None, eps).narrow(1, 0, 1)
+            else:
+                x = x + a
+                h = layer.norm2(x)
             # FFN: x + [post](down(act(gate) * up)) or x + [post](down(act(up)))
-            h = layer.norm2(x)
             if layer.ffn is not None:  # a wrapped projection: the FFN's own forward
                 h = layer.ffn(h)
             else:
@@ -219,7 +251,14 @@ class FlatDecoder:
                 h = linear(h, layer.down_w, layer.down_b)
             if layer.post2 is not None:
                 h = layer.post2(h)
-            x = x + (h if layer.drop2 is None else layer.drop2(h))
-        if self.norm is not None:
+            h = h if layer.drop2 is None else layer.drop2(h)
+            if rows:
+                x2 = addcmul(x2, h, _SIGNS)
+            else:
+                x = x + h
+        if rows:
+            gain, eps = self.final_rows
+            x = (x2 if gain is None else layer_norm(x2, pair, gain, None, eps)).narrow(1, 0, 1)
+        elif self.norm is not None:
             x = self.norm(x)
         return self.head(x[:, -1:])[:, -1]

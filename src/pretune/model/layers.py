@@ -82,6 +82,11 @@ class RMSNorm(nn.Module):
         if (not x.is_cpu or x.numel() > LEAN_NORM_ROWS * x.shape[-1] or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return None
+        return F.layer_norm(x.unsqueeze(-2) * _SIGNS, (2, x.shape[-1]), self.rows_gain(), None, self.eps).select(-2, 0)
+
+    def rows_gain(self) -> torch.Tensor:
+        """The (2, dim) fp32 gain of the layer_norm path over the rows (x, -x), built once per weight version."""
+        w = self.weight
         key = (w.data_ptr(), w._version)
         gain2 = self._gain2
         if gain2 is None or gain2[0] != key:
@@ -91,7 +96,7 @@ class RMSNorm(nn.Module):
                 g = self._gain().float()
                 # (the weight's storage is held: a freed one's address cannot come back under the same key)
                 gain2 = self._gain2 = (key, torch.stack([g, g]), w.untyped_storage())
-        return F.layer_norm(x.unsqueeze(-2) * _SIGNS, (2, x.shape[-1]), gain2[1], None, self.eps).select(-2, 0)
+        return gain2[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
