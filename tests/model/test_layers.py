@@ -206,6 +206,11 @@ def test_rms_norm_under_autograd_has_torchs_forward_and_gradients_and_keeps_less
     assert ours == x.numel() + 4 * 33 < theirs
     with torch.no_grad():  # outside autograd: the kernel as before
         assert torch.equal(norm(x), ref)
+    if trained_gain:  # an input that needs no gradient (the first block of a model with frozen embeddings)
+        x0 = x.detach()
+        mine = torch.autograd.grad(norm(x0), norm.weight, grad)[0]
+        theirs = torch.autograd.grad(rms_norm(x0, (64,), norm.weight, 1e-6), norm.weight, grad)[0]
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ffn", ["swiglu", "geglu", "reglu"])

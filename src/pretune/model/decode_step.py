@@ -155,7 +155,7 @@ class FlatDecoder:
         # every norm an RMSNorm: a step outside autograd carries the residual stream as the rows (x, -x) (B, 2, dim),
         # so that each norm is RMSNorm's own layer_norm over those rows without building them (2 calls instead of
         # 4) and each residual sum one addcmul with the signs — the same values, bitwise, in fewer calls
-        self.final_rows = _rows(stack.norm) if stack.norm is not None else (None, None)
+        self.final_rows = _rows(stack.norm) if stack.norm is not None else None
         self.rows = all(layer.norm1_rows is not None and layer.norm2_rows is not None for layer in self.layers) and (
             stack.norm is None or self.final_rows is not None)
 
@@ -257,8 +257,10 @@ class FlatDecoder:
             else:
                 x = x + h
         if rows:
-            gain, eps = self.final_rows
-            x = (x2 if gain is None else layer_norm(x2, pair, gain, None, eps)).narrow(1, 0, 1)
+            if self.final_rows is not None:
+                gain, eps = self.final_rows
+                x2 = layer_norm(x2, pair, gain, None, eps)
+            x = x2.narrow(1, 0, 1)
         elif self.norm is not None:
             x = self.norm(x)
         return self.head(x[:, -1:])[:, -1]

@@ -47,8 +47,10 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         x, weight, r = ctx.saved_tensors
         x_hat = x * r
-        gw = g * weight
-        dx = torch.addcmul(gw, x_hat, (gw * x_hat).mean(-1, keepdim=True), value=-1).mul_(r)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            gw = g * weight
+            dx = torch.addcmul(gw, x_hat, (gw * x_hat).mean(-1, keepdim=True), value=-1).mul_(r)
         dw = (g * x_hat).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
