@@ -146,4 +146,6 @@ def test_peft_works_for_every_task_and_family(task, preset, kind, method, tokeni
                                       "task.max_len=64", "task.stride=8", "task.max_target_len=4"])
     res = finetune(cfg, show_progress=False, log=lambda *a: None)
     assert json.loads((res.run_dir / "results.json").read_text())["peft"]["method"] == method
-    assert evaluate(res.model_dir, dv, show_progress=False) == pytest.approx(res.test)
+    # (reloaded, the frozen base's products may be stacked differently: the same to fp32 rounding, and a metric near
+    # zero such as a weak Pearson r moves by ~1e-6 of itself on CPUs whose matmul kernel depends on the width)
+    assert evaluate(res.model_dir, dv, show_progress=False) == pytest.approx(res.test, rel=1e-5, abs=1e-7)
