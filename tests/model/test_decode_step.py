@@ -1,6 +1,7 @@
 """The flat decoding step (model/decode_step.py): which models get it, and that it computes exactly what the model's
-forward computes — bitwise — for every family it accepts, on left-padded batches; generation through it gives the
-tokens generation through the forward gives (greedy, sampling, beam search)."""
+forward computes — bitwise with the forward's kernels (``exact=True``), to fp32 rounding with oneDNN's matrix-vector
+kernel for the products (the default in fp32 on CPU) — for every family it accepts, on left-padded batches;
+generation through it gives the tokens generation through the forward gives (greedy, sampling, beam search)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from decoder_fixtures import V, ids, perturbed
 
 import pretune.generation.decode as decode
+import pretune.model.decode_step as decode_step
 from pretune import KVCache, ModelConfig, peft
 from pretune.generation import generate
 from pretune.model.decode_step import FlatDecoder, _why_not
@@ -67,16 +69,17 @@ def _model(family: str):
     return perturbed(tiny(**FAMILIES[family]))
 
 
-def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None, batch=3):
+def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None, batch=3, exact=True, bitwise=True):
     """Prompt a left-padded batch into two caches, then decode ``steps`` tokens (past the sliding window) through
-    the forward and through the flat step: the logits must be equal, bitwise."""
+    the forward and through the flat step (``FlatDecoder.of(model, exact)``): the logits must be equal, bitwise
+    (or, with ``bitwise=False``, to fp32 rounding)."""
     x, mask = _padded(batch)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
         for cache in (ours, theirs):
             model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        flat = FlatDecoder.of(model)
+        flat = FlatDecoder.of(model, exact)
         token, p = x[:, -1:], pos[:, -1:]
         for _ in range(steps):
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)
@@ -85,7 +88,10 @@ def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None, batch=3
                          logits_to_keep=1).logits[:, -1]
             got = flat.step(token, ours, mask, p)
             assert dtype is None or got.dtype == want.dtype == dtype
-            assert torch.equal(got, want)
+            if bitwise:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             token = want.argmax(-1, keepdim=True)
     assert ours.length == theirs.length == 7 + steps
 
@@ -96,6 +102,63 @@ def test_flat_step_is_bitwise_the_forward_with_a_cache(family, batch):
     model = _model(family)
     assert _why_not(model) is None
     _assert_steps_bitwise(model, autocast="bf16-base" in family, batch=batch)  # (a bf16 base runs under autocast)
+
+
+def _count_onednn(monkeypatch) -> list:
+    """Shapes of the weights the flat step multiplies through oneDNN's kernel, in order."""
+    calls, real = [], decode_step._LINEAR_POINTWISE
+    assert real is not None, "this torch has no oneDNN linear"
+    monkeypatch.setattr(decode_step, "_LINEAR_POINTWISE",
+                        lambda x, w, *a: calls.append(tuple(w.shape)) or real(x, w, *a))
+    return calls
+
+
+@pytest.mark.parametrize("batch", [3, 1])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + [f"peft:{m}" for m in sorted(PEFT)])
+def test_flat_step_with_onednn_products_is_the_forward_to_fp32_rounding(family, batch, monkeypatch):
+    """The default step (fp32, CPU): the plain projections and a plain LM head through oneDNN's matrix-vector
+    kernel, the same products summed in another order; the rest as the exact step."""
+    model = _model(family)
+    calls = _count_onednn(monkeypatch)
+    _assert_steps_bitwise(model, autocast="bf16-base" in family, batch=batch, exact=False,
+                          bitwise="bf16-base" in family)  # (under autocast: the forward's kernels, bitwise)
+    if "bf16-base" in family:
+        assert calls == []
+    else:
+        assert calls and all(len(shape) == 2 for shape in calls)
+
+
+def _plain_products(cfg: ModelConfig, head: bool) -> list:
+    """The (out, in) weights of one step's plain products: per layer stacked q/k/v, o, stacked gate/up, down."""
+    dh = cfg.head_dim or cfg.dim // cfg.n_heads
+    qkv = (cfg.n_heads + 2 * (cfg.n_kv_heads or cfg.n_heads)) * dh
+    layer = [(qkv, cfg.dim), (cfg.dim, cfg.n_heads * dh), (2 * cfg.ffn_dim, cfg.dim), (cfg.dim, cfg.ffn_dim)]
+    return layer * cfg.n_layers + ([(cfg.vocab_size, cfg.dim)] if head else [])
+
+
+@pytest.mark.parametrize("family,what", [("llama", "all"), ("qwen2", "all"), ("gemma2", "layers"),
+                                         ("peft:lora-all-linear", "head")])
+def test_which_products_go_through_onednn(family, what, monkeypatch):
+    """Every plain product of a step and a plain LM head; not a soft-capped head (Gemma 2) nor a LoRA-wrapped
+    projection (each runs its own forward); nothing at all under bf16 autocast or with exact=True."""
+    model = _model(family)
+    cfg = model.config
+    calls = _count_onednn(monkeypatch)
+    _assert_steps_bitwise(model, steps=2, batch=1, exact=False, bitwise=False)
+    want = {"all": _plain_products(cfg, head=True), "layers": _plain_products(cfg, head=False),
+            "head": [(cfg.vocab_size, cfg.dim)]}[what]
+    assert calls == want * 2
+    calls.clear()
+    _assert_steps_bitwise(model, steps=2, batch=1, exact=True)
+    _assert_steps_bitwise(model, steps=2, batch=1, exact=False, autocast=True)
+    assert calls == []
+
+
+def test_a_torch_without_onednn_takes_the_forward_kernels(monkeypatch):
+    monkeypatch.setattr(decode_step, "_LINEAR_POINTWISE", None)
+    model = _model("llama")
+    assert not FlatDecoder.of(model).onednn
+    _assert_steps_bitwise(model, steps=2, batch=1, exact=False)  # bitwise: nothing else to run
 
 
 @pytest.mark.parametrize("family,rows", [("llama", True), ("gemma2", True), ("qwen3", True), ("gpt2", False)])
@@ -121,7 +184,7 @@ def test_flat_step_without_padding_or_positions_given():
         ours, theirs = KVCache(), KVCache()  # no reserved capacity: the buffers grow
         for cache in (ours, theirs):
             model(x, past_key_values=cache, use_cache=True)
-        flat = FlatDecoder.of(model)
+        flat = FlatDecoder.of(model, exact=True)
         for t in range(4):
             token = x[:, t:t + 1]
             want = model(token, past_key_values=theirs, use_cache=True).logits[:, -1]

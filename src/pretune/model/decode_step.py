@@ -8,9 +8,20 @@ step that runs its layers as one loop: pre-norm (or sandwich-norm) blocks of sel
 and position modules from the registries and an LM head, the plain projections as matmuls over their (stacked)
 weights, and every part the loop does not compute itself — a LoRA or (IA)3 wrapper on a projection, an adapter on
 a branch, per-head q/k norms, soft-capped scores — through that part's own method, as the forward calls it. The same
-kernels in the same order as ``TransformerLM.forward`` with a ``KVCache``, so the same logits, bitwise; the per-call
-checks are made once. A model with anything else (cross-attention, post-norm, position biases, prefix or prompt
-tuning, hooks, training mode) gets ``None`` and decodes through its forward.
+kernels in the same order as ``TransformerLM.forward`` with a ``KVCache``, so the same logits, bitwise (but for the
+matrix-vector kernel, below); the per-call checks are made once. A model with anything else (cross-attention,
+post-norm, position biases, prefix or prompt tuning, hooks, training mode) gets ``None`` and decodes through its
+forward.
+
+The matrix products. With one new token per row, each projection is a matrix-vector product (a few rows times a
+weight matrix) that only has to read the weights once; how close a kernel gets to that depends on the CPU. On an AMD
+EPYC (AVX2), MKL's GEMV (what ``F.linear`` calls for fp32 on CPU) reads SmolLM2's weights at ~14 GB/s, oneDNN's
+matrix-vector kernel at ~25 GB/s: 7.6 vs 3.6 ms for the head alone, 41 vs 30 ms per token. So by default, outside
+autograd and autocast in fp32 on CPU, the plain projections and a plain LM head run through oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``, the op Inductor's CPU backend uses) on the same weights: the same products,
+summed in another order, so the logits match the forward's to fp32 rounding (~1e-6 relative), not bitwise.
+``FlatDecoder.of(model, exact=True)`` keeps the forward's kernels and its bitwise logits (the tests check the loop's
+structure with it); a torch built without oneDNN gets them anyway.
 
 Used by ``pretune.generation`` for the steps after the prompt (one new token per row, a growing ``KVCache``);
 the prompt itself, scoring and training always run the model's forward.
@@ -29,6 +40,25 @@ from .layers import _SIGNS, Dropout, FeedForward, RMSNorm
 from .transformer import Block, Stack
 
 _NORMS = (RMSNorm, nn.LayerNorm, nn.Identity)  # RMSNorm covers RMSNormPlusOne (a subclass with its own forward)
+
+
+def _onednn_linear_op():
+    """oneDNN's fp32 linear (input, weight, bias, post-op, scalars, algorithm) where this torch has it, else None."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):  # a build without the op: the forward's kernels
+        return None
+
+
+_LINEAR_POINTWISE = _onednn_linear_op()
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN (fp32 CPU tensors, a contiguous weight): for a few rows, a
+    matrix-vector kernel that reads the weights at up to twice MKL's bandwidth (see the module's docstring)."""
+    return _LINEAR_POINTWISE(x, weight, bias, "none", [], "")
 
 
 def _plain(*linears: nn.Module) -> bool:
@@ -142,7 +172,7 @@ class FlatDecoder:
     logits_to_keep=1).logits[:, -1]`` computes them. Build with :meth:`of`; valid while the weights do not change
     (one generation)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, exact: bool = False):
         self.model = model
         stack: Stack = model.transformer.decoder
         self.stack = stack
@@ -152,6 +182,15 @@ class FlatDecoder:
         self.layers = [_Layer(b, i in stack.local) for i, b in enumerate(blocks)]
         self.norm = stack.norm.forward if stack.norm is not None else None
         self.head = model.head.forward
+        head = model.head  # a plain LM head (no soft-capping, rescaling or factorisation): one linear map
+        self.head_wb = (head.weight, head.bias) if type(head) is LMHead and head.scale is None and head.proj is None \
+            else None
+        # the plain projections and the head through oneDNN's matrix-vector kernel (fp32 weights, contiguous)
+        plain = [w for layer in self.layers for w in (
+            *((layer.qkv_w,) if layer.project is None else ()), *((layer.o_w,) if layer.o is None else ()),
+            *((layer.up_w, layer.down_w) if layer.ffn is None else ()))] + ([self.head_wb[0]] if self.head_wb else [])
+        self.onednn = not exact and _LINEAR_POINTWISE is not None and all(
+            w.dtype == torch.float32 and w.is_cpu and w.is_contiguous() for w in plain)
         # every norm an RMSNorm: a step outside autograd carries the residual stream as the rows (x, -x) (B, 2, dim),
         # so that each norm is RMSNorm's own layer_norm over those rows without building them (2 calls instead of
         # 4) and each residual sum one addcmul with the signs — the same values, bitwise, in fewer calls
@@ -160,9 +199,11 @@ class FlatDecoder:
             stack.norm is None or self.final_rows is not None)
 
     @staticmethod
-    def of(model: nn.Module) -> FlatDecoder | None:
-        """The flat step for ``model``, or None when some part of it needs the model's own forward."""
-        return FlatDecoder(model) if _why_not(model) is None else None
+    def of(model: nn.Module, exact: bool = False) -> FlatDecoder | None:
+        """The flat step for ``model``, or None when some part of it needs the model's own forward. ``exact``: the
+        forward's kernels for the matrix products too, so the logits are bitwise the forward's (by default, fp32
+        steps on CPU use oneDNN's matrix-vector kernel: see the module's docstring)."""
+        return FlatDecoder(model, exact) if _why_not(model) is None else None
 
     def step(self, ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,7 +234,11 @@ class FlatDecoder:
             rotations = (rotate, rotate if stack.local_position is None else
                          stack.local_position.rotation(position_ids))
         caches = [cache.layer(i) for i in range(len(self.layers))]
-        sdpa, linear, layer_norm, addcmul = F.scaled_dot_product_attention, F.linear, F.layer_norm, torch.addcmul
+        # fp32 outside autograd and autocast on CPU: oneDNN's matrix-vector kernel for the plain products
+        gemv = self.onednn and x.is_cpu and x.dtype == torch.float32 and not torch.is_grad_enabled() and \
+            not torch.is_autocast_enabled("cpu")
+        linear = onednn_linear if gemv else F.linear
+        sdpa, layer_norm, addcmul = F.scaled_dot_product_attention, F.layer_norm, torch.addcmul
         # the rows (x, -x), where RMSNorm itself would take its layer_norm path (see __init__); one row only: with
         # more, a norm's output (B, 1, dim) taken from the (B, 2, dim) rows has other strides than the forward's,
         # and the projections' matmuls round differently on them
@@ -263,4 +308,5 @@ class FlatDecoder:
             x = x2.narrow(1, 0, 1)
         elif self.norm is not None:
             x = self.norm(x)
-        return self.head(x[:, -1:])[:, -1]
+        x = x[:, -1:]
+        return (linear(x, *self.head_wb) if gemv and self.head_wb is not None else self.head(x))[:, -1]
