@@ -1,6 +1,7 @@
 """The memory-bandwidth floor of decoding one token with SmolLM2-135M on this machine: the time to read every weight
-once, measured two ways — the bare matrix-vector products of one token run back to back (each linear layer and the
-LM head, no attention or norms), and a sum over all the weights. Divide by eager / compiled ms per token
+once, measured three ways — the bare matrix-vector products of one token run back to back (each linear layer and the
+LM head, no attention or norms) with MKL's kernel (``F.linear``) and with oneDNN's (what the eager decoding step uses
+in fp32, ``model/decode_step.py``), and a sum over all the weights. Divide by eager / compiled ms per token
 (``pretune bench generate``) for the fraction of the floor they reach (BENCHMARKS.md, bench generate).
 
     .venv/bin/python scripts/decode_floor.py
@@ -12,6 +13,7 @@ import time
 import torch
 
 import pretune
+from pretune.model.decode_step import _LINEAR_POINTWISE, onednn_linear
 from pretune.realmodels import smollm2_dir
 
 
@@ -27,12 +29,18 @@ def main() -> None:
         for w in mats:
             torch.nn.functional.linear(x[w.shape[1]], w)
 
+    def matvecs_onednn():
+        for w in mats:
+            onednn_linear(x[w.shape[1]], w)
+
     def sums():
         for p in params:
             p.sum()
 
     with torch.inference_mode():
-        for name, fn in (("matvecs", matvecs), ("sum", sums)):
+        ways = [("matvecs (MKL)", matvecs)] + ([("matvecs (oneDNN)", matvecs_onednn)] if _LINEAR_POINTWISE else [])
+        print(f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+        for name, fn in (*ways, ("sum", sums)):
             fn()
             times = []
             for _ in range(20):
