@@ -70,6 +70,19 @@ def test_mlm_head_needs_encoder(arch):
     (dict(arch="decoder", head="lm", share_encoder_decoder=True), r"share_encoder_decoder applies to arch="),
     (dict(arch="encoder-decoder", head="lm", share_encoder_decoder=True, n_decoder_layers=3),
      r"share_encoder_decoder needs n_decoder_layers equal to n_layers"),
+    (dict(arch="decoder", head="lm", decoder_heads=2), r"decoder_heads applies to arch='encoder-decoder' only"),
+    (dict(arch="encoder", decoder_ffn_dim=64), r"decoder_ffn_dim applies to arch='encoder-decoder' only"),
+    (dict(arch="encoder-decoder", head="lm", dim=32, n_heads=4, decoder_heads=5),
+     r"decoder_heads \(5\) must divide dim \(32\) unless head_dim is set"),
+    (dict(arch="encoder-decoder", head="lm", decoder_heads=-2), r"decoder_heads must be > 0 \(or None: the "
+                                                                r"encoder's\), got -2"),
+    (dict(arch="encoder-decoder", head="lm", decoder_ffn_dim=0), r"decoder_ffn_dim must be > 0"),
+    (dict(arch="encoder-decoder", head="lm", dim=32, n_heads=4, n_kv_heads=2, head_dim=8, decoder_heads=3),
+     r"n_kv_heads \(2\) must divide decoder_heads \(3\)"),
+    (dict(arch="encoder-decoder", head="lm", share_encoder_decoder=True, n_heads=4, dim=32, decoder_heads=2),
+     r"share_encoder_decoder needs the decoder's heads and FFN width equal to the encoder's, got decoder_heads=2"),
+    (dict(arch="encoder-decoder", head="lm", position="rope", dim=48, n_heads=4, decoder_heads=16),
+     r"the decoder \(decoder_heads=16, decoder_ffn_dim=None\): rope needs an even head_dim, got 3"),
 ])
 def test_cross_field_constraints(bad, match):
     with pytest.raises(ConfigError, match=match):
@@ -110,6 +123,22 @@ def test_derived_values_are_not_stored():
     cfg = ModelConfig(dim=32, n_heads=4, n_layers=3)
     assert (cfg.dh, cfg.kv_heads, cfg.decoder_layers, cfg.embedding_dim) == (8, 4, 3, 32)
     assert not {"dh", "kv_heads", "decoder_layers", "embedding_dim", "final_norm"} & set(cfg.to_dict())
+
+
+def test_decoder_config_is_the_decoders_own_heads_and_ffn_width():
+    """decoder_heads / decoder_ffn_dim (BART's decoder_attention_heads / decoder_ffn_dim): the decoder stack is
+    built from decoder_config, the config with those as n_heads / ffn_dim; None keeps the encoder's."""
+    cfg = ModelConfig(arch="encoder-decoder", head="lm", dim=32, n_heads=4, ffn_dim=64, decoder_heads=2,
+                      decoder_ffn_dim=96)
+    dec = cfg.decoder_config
+    assert (dec.n_heads, dec.dh, dec.kv_heads, dec.ffn_dim) == (2, 16, 2, 96)
+    assert (dec.decoder_heads, dec.decoder_ffn_dim, cfg.n_heads, cfg.dh, cfg.ffn_dim) == (None, None, 4, 8, 64)
+    assert dec.replace(n_heads=4, ffn_dim=64) == cfg.replace(decoder_heads=None, decoder_ffn_dim=None)
+    same = cfg.replace(decoder_heads=None, decoder_ffn_dim=None)
+    assert same.decoder_config is same
+    assert cfg.replace(decoder_ffn_dim=None).decoder_config.ffn_dim == 64
+    assert "decoder_config" not in cfg.to_dict() and cfg.to_dict()["decoder_heads"] == 2
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_constructor_with_unknown_keyword_suggests_the_nearest_key():

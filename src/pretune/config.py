@@ -52,7 +52,10 @@ class ModelConfig:
     n_heads: int = 12  # attention heads (query heads under GQA)
     n_kv_heads: int | None = None  # key/value heads; < n_heads is grouped-query attention (None: n_heads)
     head_dim: int | None = None  # per-head width (None: dim // n_heads); T5 may set it independently
+    decoder_heads: int | None = None  # encoder-decoder only: the decoder's attention heads, self and cross (None:
+    # n_heads); BART may give its stacks different counts (the decoder's head_dim is then dim // decoder_heads)
     ffn_dim: int = 3072  # inner width of the feed-forward block
+    decoder_ffn_dim: int | None = None  # encoder-decoder only: the decoder's FFN inner width (None: ffn_dim; BART)
     max_seq_len: int = 512  # longest sequence; bounds learned/sinusoidal position tables
 
     decoder_layout: DecoderLayout = "causal"  # decoder-only: how a source and its target share one sequence, as
@@ -161,6 +164,15 @@ class ModelConfig:
         return self.n_decoder_layers or self.n_layers
 
     @property
+    def decoder_config(self) -> "ModelConfig":
+        """What an encoder-decoder's decoder stack is built from: this config with n_heads and ffn_dim taken from
+        decoder_heads and decoder_ffn_dim (the config itself when both are None)."""
+        if self.decoder_heads is None and self.decoder_ffn_dim is None:
+            return self
+        return dataclasses.replace(self, n_heads=self.decoder_heads or self.n_heads, decoder_heads=None,
+                                   ffn_dim=self.decoder_ffn_dim or self.ffn_dim, decoder_ffn_dim=None)
+
+    @property
     def embedding_dim(self) -> int:
         return self.embed_dim or self.dim
 
@@ -256,7 +268,7 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.arch != "encoder-decoder":
-            for name in ("n_decoder_layers", "share_encoder_decoder"):
+            for name in ("n_decoder_layers", "decoder_heads", "decoder_ffn_dim", "share_encoder_decoder"):
                 if getattr(self, name):
                     raise ConfigError(f"{name} applies to arch='encoder-decoder' only, got arch={self.arch!r}")
         if self.decoder_layout != "causal" and self.arch != "decoder":
@@ -306,6 +318,32 @@ class ModelConfig:
             raise ConfigError(f"classifier_dropout must be in [0, 1), got {self.classifier_dropout}")
         if self.share_encoder_decoder and self.n_decoder_layers not in (None, self.n_layers):
             raise ConfigError("share_encoder_decoder needs n_decoder_layers equal to n_layers")
+        self._check_decoder_widths()
+
+    def _check_decoder_widths(self) -> None:
+        """decoder_heads / decoder_ffn_dim: positive, and a decoder the encoder's checks would accept."""
+        if self.decoder_heads is None and self.decoder_ffn_dim is None:
+            return
+        for name in ("decoder_heads", "decoder_ffn_dim"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 (or None: the encoder's), got {getattr(self, name)}")
+        heads = self.decoder_heads
+        if heads is not None:
+            if self.head_dim is None and self.dim % heads:
+                raise ConfigError(f"decoder_heads ({heads}) must divide dim ({self.dim}) unless head_dim is set")
+            if self.n_kv_heads is not None and heads % self.n_kv_heads:
+                raise ConfigError(f"n_kv_heads ({self.n_kv_heads}) must divide decoder_heads ({heads}): the decoder "
+                                  "shares the encoder's key/value heads")
+        if self.share_encoder_decoder and (heads not in (None, self.n_heads)
+                                           or self.decoder_ffn_dim not in (None, self.ffn_dim)):
+            raise ConfigError(f"share_encoder_decoder needs the decoder's heads and FFN width equal to the encoder's, "
+                              f"got decoder_heads={heads}, decoder_ffn_dim={self.decoder_ffn_dim} (n_heads="
+                              f"{self.n_heads}, ffn_dim={self.ffn_dim})")
+        try:
+            self.decoder_config  # noqa: B018 - every other check, on the decoder's view (rope's even head_dim, ...)
+        except ConfigError as e:
+            raise ConfigError(f"the decoder (decoder_heads={heads}, decoder_ffn_dim={self.decoder_ffn_dim}): "
+                              f"{e}") from None
 
     def _check_disentangled(self) -> None:
         if self.kv_heads != self.n_heads or self.qk_norm:

@@ -117,6 +117,10 @@ def _tiny(name: str) -> dict[str, Any]:
         cfg["n_kv_heads"] = 2  # keep GQA in the tiny twin
     if cfg.get("head_dim"):
         cfg["head_dim"] = 8
+    if cfg.get("decoder_heads"):  # keep a decoder that differs from the encoder in the tiny twin
+        cfg["decoder_heads"] = 2
+    if cfg.get("decoder_ffn_dim"):
+        cfg["decoder_ffn_dim"] = 96
     if cfg.get("embed_dim"):
         cfg["embed_dim"] = 16  # keep the factorisation in the tiny twin
     if cfg.get("relative_buckets"):

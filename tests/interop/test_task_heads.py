@@ -278,6 +278,8 @@ def test_convert_cli_with_a_task_head(tmp_path):
      r"LlamaForSequenceClassification reads num_labels=1 as regression"),
     ("tiny-t5-small", {"head": "classification", "num_labels": 3},
      r"t5: head='classification' has no Hugging Face T5 class"),
+    ("tiny-t5-small", {"decoder_heads": 2}, r"t5: needs decoder_heads=None, got 2"),  # one num_heads, one d_ff
+    ("tiny-t5-small", {"decoder_ffn_dim": 96}, r"t5: needs decoder_ffn_dim=None, got 96"),
 ])
 def test_export_without_hf_equivalent_says_why(preset, overrides, match, tmp_path):
     model = pretune.build_model(preset, **overrides)

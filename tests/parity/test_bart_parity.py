@@ -1,6 +1,7 @@
 """Parity with transformers' BART: random-weight BartForConditionalGeneration / BartModel /
 BartForSequenceClassification / BartForQuestionAnswering from small unusual configs (3 encoder + 1 decoder layers,
-scaled embeddings, ReLU or tanh-GELU FFNs, a forced first token, a regression head), every parameter and the
+a decoder with its own head count and FFN width, scaled embeddings, ReLU or tanh-GELU FFNs, a forced first token, a
+regression head), every parameter and the
 final_logits_bias buffer perturbed: imported outputs within 1e-4 on a right-padded batch, exports that transformers'
 Auto classes load with the same outputs, identical round trips, the loss of ``labels``, greedy and beam-search
 tokens identical to ``generate`` (forced first and last tokens included), ``pretune show``'s parameter counts, bad
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import pretune
-from pretune import count_parameters
+from pretune import ConfigError, count_parameters
 from pretune.generation import generate
 from pretune.interop import InteropError
 
@@ -40,17 +41,20 @@ def _variants():
             encoder_layers=3, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
             scale_embedding=True, activation_function="relu", dropout=0.2, attention_dropout=0.1),
             {"forced_bos_token_id": 0}),
+        # the decoder's own heads (self- and cross-attention: 2 of 16 against the encoder's 4 of 8) and FFN width
+        "lm-split": (T.BartForConditionalGeneration, _config(decoder_attention_heads=2, decoder_ffn_dim=53), {}),
         "body-gelu-new": (T.BartModel, _config(activation_function="gelu_new", encoder_layers=1), {}),
         "classification": (T.BartForSequenceClassification, _config(
             num_labels=3, id2label={0: "neg", 1: "neutral", 2: "pos"}, label2id={"neg": 0, "neutral": 1, "pos": 2},
             classifier_dropout=0.1, scale_embedding=True), {}),
         "regression": (T.BartForSequenceClassification, _config(num_labels=1, problem_type="regression"), {}),
-        "qa": (T.BartForQuestionAnswering, _config(encoder_layers=3, decoder_layers=2), {}),
+        "qa": (T.BartForQuestionAnswering, _config(encoder_layers=3, decoder_layers=2, encoder_attention_heads=2,
+                                                   decoder_attention_heads=8, decoder_ffn_dim=24), {}),
     }
 
 
 VARIANTS = list(_variants())
-LM = ["lm", "lm-scaled-relu-forced-bos"]
+LM = ["lm", "lm-scaled-relu-forced-bos", "lm-split"]
 AUTO = {"BartForConditionalGeneration": "AutoModelForSeq2SeqLM", "BartModel": "AutoModel",
         "BartForSequenceClassification": "AutoModelForSequenceClassification",
         "BartForQuestionAnswering": "AutoModelForQuestionAnswering"}
@@ -157,7 +161,8 @@ def test_from_hf_outputs_match(pair):
 
 
 def test_each_quirk_changes_the_outputs_so_parity_pins_it(pair):
-    """The offset, the embedding LayerNorm, the scale, the logit bias and the shifted decoder input all matter."""
+    """The offset, the embedding LayerNorm, the scale, the logit bias, the shifted decoder input and the decoder's
+    own head count (the same weight shapes: only the split into heads differs) all matter."""
     _, hf, _, ours = pair
     batch = _batch()
     ref, keep = _outputs(ours, batch, ours=True)
@@ -166,6 +171,8 @@ def test_each_quirk_changes_the_outputs_so_parity_pins_it(pair):
                "scale_embeddings": dict(scale_embeddings=not cfg.scale_embeddings)}
     if cfg.head == "lm":
         changes["logit_bias"] = dict(logit_bias=False)
+    if cfg.decoder_heads is not None:
+        changes["decoder_heads"] = dict(decoder_heads=None)
     if cfg.head != "lm" and cfg.head != "none":
         changes["task_stack"] = dict(task_stack="encoder", pooling="mean" if cfg.head != "qa" else None)
     for name, fields in changes.items():
@@ -300,8 +307,6 @@ def test_tiny_presets_export_to_transformers(preset, tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     (dict(tie_word_embeddings=False), "tie_word_embeddings=False is not supported"),
-    (dict(decoder_ffn_dim=40), "encoder_ffn_dim=37 differs from decoder_ffn_dim=40"),
-    (dict(decoder_attention_heads=2), "encoder_attention_heads=4 differs from decoder_attention_heads=2"),
     (dict(activation_function="tanh"), "activation_function='tanh' is not supported"),
     (dict(architectures=["BartForCausalLM"]), "architectures='BartForCausalLM' is not supported"),
     (dict(d_model=None), "config.json has no 'd_model'"),
@@ -313,6 +318,43 @@ def test_bad_folders_are_refused_by_name(change, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(InteropError, match=message):
         pretune.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(decoder_attention_heads=3), r"decoder_heads \(3\) must divide dim \(32\)"),
+    (dict(decoder_ffn_dim=0), r"decoder_ffn_dim must be > 0"),
+])
+def test_bad_decoder_sizes_are_refused_by_name(change, message, tmp_path):
+    hf = T.BartForConditionalGeneration(_config())
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ConfigError, match=message):
+        pretune.from_hf(tmp_path)
+
+
+def test_a_decoder_with_its_own_heads_and_ffn_width_imports_and_exports_unchanged(tmp_path_factory, tmp_path):
+    """encoder_attention_heads 4 / decoder_attention_heads 2, encoder_ffn_dim 37 / decoder_ffn_dim 53: the config
+    keeps both (decoder_heads, decoder_ffn_dim), the decoder is built with them, and the export is the original
+    transformers model again: the same config sizes and every tensor equal."""
+    _, hf, _, ours = _made("lm-split", tmp_path_factory)
+    cfg = ours.config
+    assert (cfg.n_heads, cfg.decoder_heads, cfg.ffn_dim, cfg.decoder_ffn_dim) == (4, 2, 37, 53)
+    assert (cfg.decoder_config.n_heads, cfg.decoder_config.ffn_dim) == (2, 53)
+    state = ours.state_dict()
+    assert state["transformer.encoder.layers.0.ffn.up_proj.weight"].shape == (37, 32)
+    assert state["transformer.decoder.layers.2.ffn.up_proj.weight"].shape == (53, 32)
+    assert count_parameters(ours)["total"] == hf.num_parameters()
+    pretune.to_hf(ours, tmp_path / "out")
+    back = T.BartForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    sizes = ("d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+             "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings", "activation_function")
+    assert {k: getattr(back.config, k) for k in sizes} == {k: getattr(hf.config, k) for k in sizes}
+    want, got = hf.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    _assert_same(back, ours)
 
 
 def test_untied_embedding_copies_are_refused(tmp_path):
@@ -335,6 +377,8 @@ def test_untied_embedding_copies_are_refused(tmp_path):
                                                                 r"dense \+ tanh on the decoder's state"),
     (dict(norm_eps=1e-6), "bart: needs norm_eps=1e-05"),
     (dict(position_offset=0), "bart: needs position_offset=2"),
+    (dict(n_kv_heads=4, decoder_heads=8), "bart: needs plain multi-head attention in the decoder .*got 8 heads, 4 "
+                                          "key/value heads"),
 ])
 def test_configs_bart_cannot_hold_are_refused_with_the_reason(fields, message, tmp_path):
     model = pretune.build_model("tiny-bart-base", **fields)

@@ -236,6 +236,26 @@ def test_adapter_for_a_base_of_the_same_shapes_with_other_options_is_refused(cha
         peft.load_adapter(_model("tiny-llama", **change), tmp_path / "ad")
 
 
+def test_adapter_for_a_bart_with_another_decoder_is_refused(tmp_path):
+    model = _model("tiny-bart-base")
+    peft.inject(model, PeftConfig(method="lora"))
+    peft.save_adapter(model, tmp_path / "ad")
+    with pytest.raises(PeftError, match="different base model: its decoder_ffn_dim is None, this model's is 96"):
+        peft.load_adapter(_model("tiny-bart-base", decoder_ffn_dim=96), tmp_path / "ad")
+
+
+def test_prefix_tuning_an_encoder_decoder_whose_decoder_has_other_heads():
+    """decoder_heads: BART's decoder may have its own head count. Without head_dim every stack's keys/values are
+    dim wide and prefixes fit; with head_dim (T5) the widths differ and prefix tuning is refused by name."""
+    model = _model("tiny-bart-base", decoder_heads=2)
+    peft.inject(model, PeftConfig(method="prefix", n_virtual=3))
+    _randomise(model, "default", 6)
+    ids, mask, kw = _inputs(model)
+    assert model(ids, attention_mask=mask, **kw).logits.isfinite().all()
+    with pytest.raises(PeftError, match=r"one key/value width in every self-attention layer, got \[16, 32\]"):
+        peft.inject(_model("tiny-t5-small", decoder_heads=2), PeftConfig(method="prefix"))
+
+
 def test_peft_file_with_wrong_shapes_is_refused(tmp_path):
     model = _model("tiny-gpt2")
     peft.inject(model, PeftConfig(method="lora"))

@@ -4,7 +4,9 @@ Quirks: post-norm encoder-decoder with biases and GELU; each stack has its own l
 BART's offset of 2 rows (``position_offset=2``, the table max_position_embeddings + 2 long), and a LayerNorm on
 the embedding sum (``layernorm_embedding``: our ``embed_norm``); LayerNorm eps is fixed at 1e-5; the token
 embeddings may be scaled by sqrt(d_model) (``scale_embedding``); one token embedding (``shared``) serves both
-stacks and the tied LM head, which adds ``final_logits_bias`` (a buffer: our ``logit_bias``). The task classes
+stacks and the tied LM head, which adds ``final_logits_bias`` (a buffer: our ``logit_bias``). The decoder may have
+its own head count and FFN width (``decoder_attention_heads``, ``decoder_ffn_dim``: our ``decoder_heads``,
+``decoder_ffn_dim``, None when they equal the encoder's; its cross-attention has the decoder's heads). The task classes
 run the whole model with the decoder reading the input shifted right (``task_stack="decoder"``):
 BartForSequenceClassification classifies the decoder state at each row's last ``eos_token_id`` through dense +
 tanh + out_proj (our pooling "eos"), BartForQuestionAnswering puts ``qa_outputs`` on every decoder state.
@@ -73,12 +75,11 @@ def _need(hf: dict, key: str):
     return hf[key]
 
 
-def _same(hf: dict, enc: str, dec: str) -> int:
-    """A width both stacks must share (pretune has one per model)."""
-    a, b = _need(hf, enc), hf.get(dec, hf[enc])
-    if a != b:
-        raise InteropError(f"{enc}={a} differs from {dec}={b}: pretune's encoder and decoder share one value")
-    return a
+def _pair(hf: dict, enc: str, dec: str) -> tuple[int, int | None]:
+    """A size each stack has its own of: (the encoder's, the decoder's or None when it is the same)."""
+    a = _need(hf, enc)
+    b = hf.get(dec)
+    return a, (None if b is None or b == a else b)
 
 
 def _one_id(hf: dict, key: str, default: int | None) -> int | None:
@@ -119,11 +120,12 @@ def config_from_hf(hf: dict, keys: set[str]) -> ModelConfig:
     else:
         lm = any(a == _ARCHS["lm"] for a in archs) if archs else "final_logits_bias" in keys
         task = {"head": "lm" if lm else "none", "classifier_dropout": hf.get("classifier_dropout")}
+    n_heads, decoder_heads = _pair(hf, "encoder_attention_heads", "decoder_attention_heads")
+    ffn_dim, decoder_ffn_dim = _pair(hf, "encoder_ffn_dim", "decoder_ffn_dim")
     return ModelConfig(
         arch="encoder-decoder", vocab_size=_need(hf, "vocab_size"), dim=_need(hf, "d_model"),
         n_layers=_need(hf, "encoder_layers"), n_decoder_layers=hf.get("decoder_layers", hf["encoder_layers"]),
-        n_heads=_same(hf, "encoder_attention_heads", "decoder_attention_heads"),
-        ffn_dim=_same(hf, "encoder_ffn_dim", "decoder_ffn_dim"), ffn=ACTS[act],
+        n_heads=n_heads, decoder_heads=decoder_heads, ffn_dim=ffn_dim, decoder_ffn_dim=decoder_ffn_dim, ffn=ACTS[act],
         max_seq_len=hf.get("max_position_embeddings", 1024) + OFFSET, norm="layernorm", norm_eps=NORM_EPS,
         norm_placement="post", bias=True, embed_norm=True, scale_embeddings=bool(hf.get("scale_embedding", False)),
         dropout=hf.get("dropout", 0.1), attn_dropout=hf.get("attention_dropout", 0.0), position="learned",
@@ -182,8 +184,10 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
         return why
     if cfg.ffn not in _ACT_NAMES:
         return f"needs a non-gated FFN (gelu, gelu_tanh, relu, swish), got ffn={cfg.ffn!r}"
-    if cfg.kv_heads != cfg.n_heads or cfg.dh * cfg.n_heads != cfg.dim:
-        return "needs plain multi-head attention (no GQA, head_dim = dim / n_heads)"
+    for stack, c in (("encoder", cfg), ("decoder", cfg.decoder_config)):
+        if c.kv_heads != c.n_heads or c.dh * c.n_heads != c.dim:
+            return (f"needs plain multi-head attention in the {stack} (no GQA, head_dim = dim / heads), got "
+                    f"{c.n_heads} heads, {c.kv_heads} key/value heads of {c.dh}")
     if cfg.head in ("lm", "none"):
         return None
     if cfg.task_stack != "decoder":
@@ -194,11 +198,12 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     task = task_config_to_hf(cfg, _TASK_ARCHS[cfg.head]) if cfg.head in _TASK_ARCHS else {}
+    dec = cfg.decoder_config
     out = {
         "architectures": task.pop("architectures", [_ARCHS[cfg.head]]), "model_type": "bart",
         "vocab_size": cfg.vocab_size, "d_model": cfg.dim, "encoder_layers": cfg.n_layers,
         "decoder_layers": cfg.decoder_layers, "encoder_attention_heads": cfg.n_heads,
-        "decoder_attention_heads": cfg.n_heads, "encoder_ffn_dim": cfg.ffn_dim, "decoder_ffn_dim": cfg.ffn_dim,
+        "decoder_attention_heads": dec.n_heads, "encoder_ffn_dim": cfg.ffn_dim, "decoder_ffn_dim": dec.ffn_dim,
         "activation_function": _ACT_NAMES[cfg.ffn], "max_position_embeddings": cfg.max_seq_len - OFFSET,
         "dropout": cfg.dropout, "attention_dropout": cfg.attn_dropout, "activation_dropout": 0.0,
         "scale_embedding": cfg.scale_embeddings, "is_encoder_decoder": True, "tie_word_embeddings": True,

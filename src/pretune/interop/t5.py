@@ -93,7 +93,8 @@ def export_mismatch(cfg: ModelConfig) -> str | None:
                 "T5ForQuestionAnswering read the decoder; pretune's task heads read the encoder)")
     why = mismatch(cfg, arch="encoder-decoder", norm="rmsnorm", norm_placement="pre", bias=False,
                    attn_scale=1.0, embed_norm=False, position="relative", token_types=0, embed_dim=None,
-                   share_layers=False, share_encoder_decoder=False, head="lm", pooler=False, **PLAIN_OPTIONS)
+                   share_layers=False, share_encoder_decoder=False, head="lm", pooler=False, decoder_heads=None,
+                   decoder_ffn_dim=None, **PLAIN_OPTIONS)  # T5's num_heads and d_ff serve both stacks
     if why:
         return why
     if cfg.tie_embeddings != cfg.tied_logit_scale:

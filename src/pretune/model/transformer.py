@@ -222,7 +222,8 @@ class Transformer(nn.Module):
             cross = cfg.arch == "encoder-decoder"
             shared = self.encoder if cfg.share_encoder_decoder else None
             n = cfg.decoder_layers if cross else cfg.n_layers
-            self.decoder = Stack(cfg, causal=True, cross=cross, n_layers=n, shared=shared,
+            # decoder_config: the decoder's own heads (self and cross) and FFN width, which BART may set apart
+            self.decoder = Stack(cfg.decoder_config, causal=True, cross=cross, n_layers=n, shared=shared,
                                  token_types=not cross)  # segments belong to the input stack
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):

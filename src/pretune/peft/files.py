@@ -59,8 +59,9 @@ _HEAD_FIELDS = ("head", "num_labels", "labels", "pooling", "classifier_dropout",
 # bases that have the same shapes: Llama / Mistral / Gemma 2 checkpoints differ only in these); an adapter saved
 # before a field existed does not record it and is not checked on it
 _BASE_FIELDS = ("arch", "vocab_size", "dim", "n_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "head_dim",
-                "ffn_dim", "embed_dim", "ffn", "norm", "norm_placement", "qkv_bias", "qk_norm", "rope_scaling",
-                "rope_factor", "scale_embeddings", "sliding_window", "sliding_layers", "attn_softcap", "logit_softcap")
+                "decoder_heads", "ffn_dim", "decoder_ffn_dim", "embed_dim", "ffn", "norm", "norm_placement",
+                "qkv_bias", "qk_norm", "rope_scaling", "rope_factor", "scale_embeddings", "sliding_window",
+                "sliding_layers", "attn_softcap", "logit_softcap")
 _TASK_TYPES = {"classification": "SEQ_CLS", "regression": "SEQ_CLS", "tagging": "TOKEN_CLS", "qa": "QUESTION_ANS"}
 _HF_HEADS = ("classifier.", "score.", "qa_outputs.")
 _LEGACY_NAMES = {".attn_adapter.adapters.": ".attn_drop.adapters.",  # adapters saved before branch wrapping

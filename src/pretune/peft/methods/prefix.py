@@ -4,14 +4,24 @@ the paper's reparametrisation for stable training)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..config import PeftConfig
 from ..core import PeftError, module_dict, self_attentions
 from ..layers import PREFIX_DICT, PrefixEncoder, PrefixSite
 
 NAME = "prefix"
-HELP = "trainable key/value prefixes at every self-attention layer (Li & Liang 2021)"
 PARTS = (PREFIX_DICT,)
 MERGEABLE = False  # adds key/value columns
 DEFAULT_LR = 1e-2  # when train.lr is not set (prefixes learn slowly from a small init; P-tuning v2: 5e-3..1e-2)
+
+
+@dataclass
+class Settings(PeftConfig):
+    """Prefix tuning's settings (peft.*)."""
+
+    n_virtual: int = 20  # virtual tokens: key/value prefix positions at every self-attention layer
+    prefix_projection: int = 0  # hidden width of the reparametrisation MLP (0: train the prefixes directly)
 
 
 def validate(cfg) -> None:
@@ -23,6 +33,10 @@ def validate(cfg) -> None:
 
 def inject(model, cfg, name: str, ctx) -> None:
     attns = self_attentions(model)
+    widths = sorted({a.n_kv_heads * a.dh for a in attns})
+    if len(widths) > 1:  # an encoder-decoder whose decoder_heads differ, with head_dim or n_kv_heads set
+        raise PeftError(f"prefix tuning needs one key/value width in every self-attention layer, got {widths} "
+                        "(the decoder's heads differ from the encoder's)")
     encoders = module_dict(model, PREFIX_DICT)
     for i, attn in enumerate(attns):
         if attn.extra_kv is None:
