@@ -1,7 +1,7 @@
 """The memory-bandwidth floor of decoding one token with SmolLM2-135M on this machine: the time to read every weight
 once, measured three ways — the bare matrix-vector products of one token run back to back (each linear layer and the
 LM head, no attention or norms) with MKL's kernel (``F.linear``) and with oneDNN's (what the eager decoding step uses
-in fp32, ``model/decode_step.py``), and a sum over all the weights. Divide by eager / compiled ms per token
+in fp32, ``model/fast/decode_step.py``), and a sum over all the weights. Divide by eager / compiled ms per token
 (``pretune bench generate``) for the fraction of the floor they reach (BENCHMARKS.md, bench generate).
 
     .venv/bin/python scripts/decode_floor.py
@@ -13,7 +13,7 @@ import time
 import torch
 
 import pretune
-from pretune.model.decode_step import _LINEAR_POINTWISE, onednn_linear
+from pretune.model.fast.decode_step import _LINEAR_POINTWISE, onednn_linear
 from pretune.realmodels import smollm2_dir
 
 

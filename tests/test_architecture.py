@@ -166,3 +166,28 @@ def test_the_documented_registries_exist(registry, module):
 
     assert registry in DOC.read_text()
     assert isinstance(getattr(importlib.import_module(module), registry), dict)
+
+
+# ------------------------------------------------------------------------------------------------ the fast wing
+REFERENCE_FILES = ("transformer", "attention", "layers", "position", "cache", "heads")
+SPEED_MACHINERY = ("mkldnn", "_linear_pointwise", "autograd.Function", "FusedLinears", "_StackedLinear", "onednn",
+                   "_fused_qkv", "fused_ce")
+
+
+def test_only_the_model_package_and_generation_import_the_fast_wing():
+    """model/fast/ is swapped in by the model package's __init__ (``accelerate``) and its flat decoding step is used
+    by generation; no other module reaches into it (the reference files least of all)."""
+    bad = [f"{m} imports {t}" for m, targets in GRAPH.items() for t in targets
+           if (t == "pretune.model.fast" or t.startswith("pretune.model.fast."))
+           and not (m.startswith("pretune.model.fast") or m == "pretune.model" or m.startswith("pretune.generation"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_reference_model_files_name_no_speed_machinery():
+    """The reference files say what the maths is, one path per module: fused or stacked weights, written-out
+    backwards and kernels picked per CPU live in model/fast/ (comments included)."""
+    bad = []
+    for name in REFERENCE_FILES:
+        text = (PKG / "model" / f"{name}.py").read_text()
+        bad += [f"model/{name}.py names {word!r}" for word in SPEED_MACHINERY if word in text]
+    assert not bad, "\n".join(bad)

@@ -387,6 +387,8 @@ def test_compiled_decoding_of_gpt2_and_t5_equals_transformers(pair, family):
 
 # ------------------------------------------------------------------------------------------------ KV cache
 def test_kv_cache_writes_in_place_and_reorders():
+    from pretune.model.fast.cache import FastKVCache as KVCache
+
     cache = KVCache(capacity=8)
     lc = cache.layer(0)
     k = torch.randn(2, 3, 5, 4)
@@ -419,10 +421,10 @@ def test_kv_cache_writes_in_place_and_reorders():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_the_fused_qkv_path_gives_the_general_paths_logits_and_gradients(pair, family, monkeypatch):
-    """Plain q/k/v linears take the lean path (Attention._fused_qkv): token-major heads rotated in place, keys and
+    """Plain q/k/v linears take the lean path (FastAttention._fused_qkv): token-major heads rotated in place, keys and
     values cached in one copy. Decoding a left-padded batch step by step gives the general path's logits (RoPE as a
     matmul rounds differently, so within 1e-5), and a training forward/backward its loss and gradients."""
-    from pretune.model.attention import Attention
+    from pretune.model.fast.attention import FastAttention as Attention
 
     ours = pair[family][1]
     ids, mask = _batch(family)
@@ -437,7 +439,7 @@ def test_the_fused_qkv_path_gives_the_general_paths_logits_and_gradients(pair, f
 
     def steps(fused_qkv):
         monkeypatch.setattr(Attention, "_fused_qkv", fused_qkv)
-        cache, out = KVCache(capacity=10), []
+        cache, out = ours.new_cache(10), []
         with torch.no_grad():
             out.append(ours(ids, mask, position_ids=pos, past_key_values=cache).logits)
             for t in range(3):  # one new token per row per step

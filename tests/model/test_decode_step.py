@@ -10,10 +10,10 @@ import torch
 from decoder_fixtures import V, ids, perturbed
 
 import pretune.generation.decode as decode
-import pretune.model.decode_step as decode_step
+import pretune.model.fast.decode_step as decode_step
 from pretune import KVCache, ModelConfig, peft
 from pretune.generation import generate
-from pretune.model.decode_step import FlatDecoder, _why_not
+from pretune.model.fast.decode_step import FlatDecoder, _why_not
 
 
 def tiny(**kw) -> ModelConfig:
@@ -76,7 +76,7 @@ def _assert_steps_bitwise(model, *, steps=6, autocast=False, dtype=None, batch=3
     x, mask = _padded(batch)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        ours, theirs = KVCache(capacity=16), KVCache(capacity=16)
+        ours, theirs = model.new_cache(16), model.new_cache(16)
         for cache in (ours, theirs):
             model(x, mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         flat = FlatDecoder.of(model, exact)
@@ -181,7 +181,7 @@ def test_flat_step_without_padding_or_positions_given():
     model = perturbed(tiny())
     x = ids(2, 5)
     with torch.inference_mode():
-        ours, theirs = KVCache(), KVCache()  # no reserved capacity: the buffers grow
+        ours, theirs = model.new_cache(), model.new_cache()  # no reserved capacity: the buffers grow
         for cache in (ours, theirs):
             model(x, past_key_values=cache, use_cache=True)
         flat = FlatDecoder.of(model, exact=True)
@@ -246,7 +246,7 @@ def test_generate_takes_the_flat_step_and_gives_the_same_tokens(monkeypatch, fam
 
 
 def test_write_heads_is_append_tokens_for_one_token():
-    from pretune.model.cache import LayerCache
+    from pretune.model.fast.cache import FastLayerCache as LayerCache
 
     a, b = LayerCache(capacity=6), LayerCache(capacity=6)
     first = torch.randn(2, 3, 4, 5)
@@ -276,7 +276,8 @@ CONSIDERED = {
     "dropout", "attn_dropout", "classifier_dropout", "pad_token_id", "eos_token_id", "decoder_start_token_id",
     "forced_bos_token_id", "forced_eos_token_id", "decoder_layout", "pooler", "pooling", "pair_head",
     "num_labels", "labels", "multi_label", "cls_act", "task_stack", "head_act", "head_dense_bias",
-    "head_transform", "n_decoder_layers", "share_encoder_decoder", "relative_buckets", "relative_max_distance",
+    "head_transform", "n_decoder_layers", "decoder_heads", "decoder_ffn_dim",
+    "share_encoder_decoder", "relative_buckets", "relative_max_distance",
     "max_relative_positions", "position_buckets",
     "attn_softcap", "qk_norm",  # through the attention's own methods
     # refused by _why_not (checked on the modules they build) where they change the step

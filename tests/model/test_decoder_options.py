@@ -114,7 +114,7 @@ def test_qkv_biases_change_the_output_and_the_fused_matmul_equals_three():
     model = perturbed(tiny(qkv_bias=True))
     attn = model.transformer.decoder.layers[0].attn
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2))
-    q, k, v = attn._project_qkv(x)
+    q, k, v = attn.project(x)
     torch.testing.assert_close(q, attn._heads(attn.q_proj(x), 4))
     torch.testing.assert_close(v, attn._heads(attn.v_proj(x), 4))
     tokens = ids(2, 6)
@@ -138,7 +138,7 @@ def test_qk_norm_normalises_each_head_over_head_dim():
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         attn.q_proj.weight.mul_(7.0)
-        q, k, _ = attn._project_qkv(x)  # (B, H, T, Dh), (B, Hkv, T, Dh)
+        q, k, _ = attn.project(x)  # (B, H, T, Dh), (B, Hkv, T, Dh)
     assert q.shape == (2, 4, 5, 12) and k.shape == (2, 2, 5, 12)
     for t in (q, k):
         torch.testing.assert_close(t.pow(2).mean(-1).sqrt(), torch.ones(t.shape[:-1]), atol=1e-4, rtol=0)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import pretune
-from pretune.model.fused_ce import fused_linear_cross_entropy
+from pretune.model.fast.fused_ce import fused_linear_cross_entropy
 from pretune.objectives import causal_lm_loss, masked_lm_loss
 
 
@@ -103,7 +103,7 @@ def test_fused_linear_cross_entropy_with_no_valid_target_is_zero_with_zero_grads
 
 
 def test_a_frozen_head_is_cast_once_under_autocast_and_an_update_is_seen():
-    from pretune.model.fused_ce import _cast_frozen
+    from pretune.model.fast.fused_ce import _cast_frozen
 
     w = torch.randn(50, 8)
     h = torch.randn(6, 8, requires_grad=True)

@@ -28,7 +28,7 @@ import torch
 from ..config import ConfigError
 from ..model import KVCache
 from ..model.cache import StaticKVCache
-from ..model.decode_step import FlatDecoder
+from ..model.fast.decode_step import FlatDecoder
 from ..model.layout import layout_of
 from .beam import beam_search
 
@@ -92,7 +92,7 @@ class Runner:
             if compile:
                 self.step = _compiled_step(dev)
         else:
-            self.cache = KVCache(capacity=self.prompt_len + max_new_tokens) if use_cache else None
+            self.cache = model.new_cache(self.prompt_len + max_new_tokens) if use_cache else None
         # eager steps after the prompt with a growing cache: a flat loop over the layers where the model allows one
         # (the same logits); built at the first such step, after the prompt filled the stacked-weight caches
         self.flat_ok = isinstance(self.cache, KVCache) and not self.enc_dec

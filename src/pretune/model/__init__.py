@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..config import TASK_HEADS, ModelConfig
+from . import fast as _fast
 from .cache import KVCache
-from .fused_ce import fused_linear_cross_entropy
 from .heads import HEADS, LMHead, Pooler
 from .transformer import Transformer
 
@@ -34,11 +34,15 @@ class ModelOutput:
 
 
 class TransformerLM(nn.Module):
-    """A transformer body (``self.transformer``) and the head named by ``config.head``."""
+    """A transformer body (``self.transformer``) and the head named by ``config.head``.
 
-    def __init__(self, config: ModelConfig):
+    ``fast`` (default): the fast wing's modules (``model/fast/``) are swapped in after construction: the same
+    parameters, names and maths in fewer passes. ``fast=False``: the reference model, one readable path per module."""
+
+    def __init__(self, config: ModelConfig, *, fast: bool = True):
         super().__init__()
         self.config = config
+        self.fast = fast
         self.transformer = Transformer(config)
         self.head = HEADS[config.head](config, self.transformer.embed) if config.head != "none" else None
         self.pooler = Pooler(config) if config.pooler else None
@@ -51,6 +55,13 @@ class TransformerLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, std=std)
+        if fast:
+            _fast.accelerate(self)
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty KV cache for incremental decoding with this model (``capacity``: positions to reserve per layer;
+        0: grow as needed). A fast model's cache writes keys and values token-major (``model/fast/cache.py``)."""
+        return _fast.FastKVCache(capacity) if self.fast else KVCache(capacity)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -109,7 +120,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"prefix_lengths applies to decoder-only models (prefix LM), not arch={cfg.arch!r}")
         if token_type_ids is not None and self.transformer.input_stack.token_type is None:
             raise ValueError("token_type_ids given but the model has no token-type embeddings (token_types=0)")
-        cache = past_key_values if past_key_values is not None else (KVCache() if use_cache else None)
+        cache = past_key_values if past_key_values is not None else (self.new_cache() if use_cache else None)
         body = self.transformer
         encoder_out = None
         if logits_to_keep < 0:
@@ -176,15 +187,11 @@ class TransformerLM(nn.Module):
         keep = labels != IGNORE
         if not bool(keep.all()):
             h, labels = h[keep], labels[keep]
-        head = self.head
-        if isinstance(head, LMHead) and head.fusable:
-            x = h * head.scale if head.scale is not None else h
-            if head.proj is not None:
-                x = head.proj(x)
-            return fused_linear_cross_entropy(x, head.weight, labels, bias=head.bias)
+        if isinstance(self.head, LMHead):
+            return self.head.cross_entropy(h, labels)
         if labels.numel() == 0:
             return h.sum() * 0.0  # nothing labelled: 0 with zero gradients (cross_entropy would give NaN)
-        return nn.functional.cross_entropy(head(h).float(), labels)
+        return nn.functional.cross_entropy(self.head(h).float(), labels)
 
     def _task_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """transformers' loss of a task head: MSE (regression), BCE (multi-label), else cross-entropy (-100 ignored)."""
@@ -225,16 +232,17 @@ class TransformerLM(nn.Module):
         # the body's recorded sentence pooling (e.g. a sentence-transformers model's "mean") stays unless given
         # a pretraining pair head (NSP/SOP) goes with the MLM head it sits beside, as transformers drops it
         new = TransformerLM(cfg.replace(**{"num_labels": 0, "labels": None,
-                                           "pair_head": cfg.pair_head and head == "mlm", **fields}))
+                                           "pair_head": cfg.pair_head and head == "mlm", **fields}), fast=self.fast)
         new.transformer.load_state_dict(self.transformer.state_dict())
         if self.pooler is not None and new.pooler is not None:
             new.pooler.load_state_dict(self.pooler.state_dict())
         return new
 
 
-def build_model(config: ModelConfig | str, **overrides) -> TransformerLM:
+def build_model(config: ModelConfig | str, *, fast: bool = True, **overrides) -> TransformerLM:
     """A freshly initialised model from a preset name (``"bert-base"``, ``"tiny-llama"``, ...) or a
-    ModelConfig, with optional field overrides (``dropout=0.0``). Unknown keys raise ConfigError."""
+    ModelConfig, with optional field overrides (``dropout=0.0``). Unknown keys raise ConfigError. ``fast=False``:
+    the reference model (no fast-wing modules; see ``TransformerLM``)."""
     from ..presets import get_preset
 
     if isinstance(config, str):
@@ -243,7 +251,7 @@ def build_model(config: ModelConfig | str, **overrides) -> TransformerLM:
         cfg = config.replace(**overrides) if overrides else config
     else:
         raise TypeError(f"build_model expects a preset name or ModelConfig, got {type(config).__name__}")
-    return TransformerLM(cfg)
+    return TransformerLM(cfg, fast=fast)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

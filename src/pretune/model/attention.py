@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .cache import LayerCache
-from .layers import FusedLinears, _keep_mask, make_norm
+from .layers import _keep_mask, make_norm
 from .position import POSITIONS
 
 
@@ -42,39 +42,27 @@ class Attention(nn.Module):
         # extra key/value columns every query sees: a callable (k, v, mask, is_causal, q_len) -> (k, v, mask,
         # is_causal) that prepends them (and their mask columns) to the keys and values. None: no extras.
         self.extra_kv = None
-        self._qkv = FusedLinears()
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.unflatten(-1, (n, self.dh)).transpose(1, 2)  # (B, T, n*Dh) -> (B, n, T, Dh)
 
-    def _project_qkv(self, x: torch.Tensor):
-        q, k, v = self._qkv(x, (self.q_proj, self.k_proj, self.v_proj))  # one matmul for the three
-        q, k = self._norm_qk(self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads))
-        return q, k, self._heads(v, self.n_kv_heads)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Self-attention's queries, keys and values of x (B, T, dim): (B, H, T, Dh), (B, Hkv, T, Dh) x2, with the
+        per-head q/k norms applied (Qwen3)."""
+        q = self._heads(self.q_proj(x), self.n_heads)
+        k = self._heads(self.k_proj(x), self.n_kv_heads)
+        q, k = self._norm_qk(q, k)
+        return q, k, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def _fused_qkv(self, x: torch.Tensor, rotate, cache):
-        """The lean path when q, k and v are plain linears with no per-head norm (and any cache is a growing one): the
-        fused projection's output viewed as token-major heads (B, T, H + 2 Hkv, Dh), RoPE on its q and k heads (in
-        place, or for a few tokens one matmul over all heads), its k and v heads written into a cache in one copy.
-        Decoding makes about half the PyTorch calls per layer of the general path; training keeps one (B, T,
-        H + 2 Hkv, Dh) tensor for the attention's backward instead of the projection's output plus rotated copies
-        of q and k. The same values up to rounding. None: take the general path."""
-        if ((cache is not None and type(cache) is not LayerCache) or self.q_norm is not None
-                or (rotate is not None and not hasattr(rotate, "heads"))):
-            return None
-        y = self._qkv.joined(x, (self.q_proj, self.k_proj, self.v_proj))
-        if y is None:
-            return None
-        y = y.unflatten(-1, (-1, self.dh))  # (B, T, H + 2 Hkv, Dh)
+    def self_qkv(self, x: torch.Tensor, rotate, positions: torch.Tensor | None, cache: LayerCache | None):
+        """Project x, rotate q and k (RoPE), and add the new keys and values to the cache: the queries (B, H, T, Dh)
+        and every key and value the queries see, (B, Hkv, T_past + T, Dh) each."""
+        q, k, v = self.project(x)
         if rotate is not None:
-            y = rotate.heads(y, self.n_heads + self.n_kv_heads)
-        kv = y.narrow(2, self.n_heads, 2 * self.n_kv_heads)
+            q, k = rotate(q, k, positions)
         if cache is not None:
-            k, v = cache.append_tokens(kv)  # (B, Hkv, T_past + T, Dh) each
-        else:
-            k = kv.narrow(2, 0, self.n_kv_heads).transpose(1, 2)
-            v = kv.narrow(2, self.n_kv_heads, self.n_kv_heads).transpose(1, 2)
-        return y.narrow(2, 0, self.n_heads).transpose(1, 2), k, v
+            k, v = cache.append(k, v)  # written into the cache in place
+        return q, k, v
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (B, H, T, Dh), k: (B, Hkv, S, Dh), each normalised over Dh when qk_norm is on."""
@@ -112,15 +100,7 @@ class Attention(nn.Module):
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v
         else:
-            joined = self._fused_qkv(x, rotate, cache)  # projected, rotated (and cached) in fewer calls
-            if joined is not None:
-                q, k, v = joined
-            else:
-                q, k, v = self._project_qkv(x)  # (B, H, T, Dh), (B, Hkv, T, Dh) x2
-                if rotate is not None:
-                    q, k = rotate(q, k, positions)
-                if cache is not None:
-                    k, v = cache.append(k, v)  # (B, Hkv, T_past + T, Dh), written into the cache in place
+            q, k, v = self.self_qkv(x, rotate, positions, cache)
             if pos_scores is not None:  # DeBERTa's c2p + p2c, on the scores' scale, joins the additive mask
                 extra = pos_scores(q, k, self.q_proj, self.k_proj) * (self.scale or self.dh ** -0.5)  # (B, H, T, S)
                 if is_causal:

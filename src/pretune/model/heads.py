@@ -8,6 +8,8 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import ACTIVATIONS, make_norm
 
+IGNORE_INDEX = -100  # a target that is not scored (transformers' ignore_index)
+
 
 class LMHead(nn.Module):
     """Next-token logits: a linear map to the vocabulary, usually tied to the token embedding, plus a fixed bias
@@ -32,6 +34,13 @@ class LMHead(nn.Module):
         if self.proj is not None:
             h = self.proj(h)
         return nn.functional.linear(h, self.weight, self.bias)
+
+    def cross_entropy(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the logits of h (N, dim) against targets (N,) (-100 ignored); 0 with zero gradients
+        when no target is left (where ``F.cross_entropy`` would give NaN)."""
+        if not bool((targets != IGNORE_INDEX).any()):
+            return h.sum() * 0.0
+        return nn.functional.cross_entropy(self(h).float(), targets, ignore_index=IGNORE_INDEX)
 
 
 class SoftCappedLMHead(LMHead):

@@ -96,12 +96,33 @@ class LearnedPositions(NoPosition):
         return x + nn.functional.embedding(positions, self.weight)
 
 
+class Rotation:
+    """RoPE at given positions: ``rotation(q, k)`` rotates queries (B, H, T, d) and keys (B, Hkv, T, d) by the cos/sin
+    rows ``cos``, ``sin`` ((T, d) or (B, 1, T, d)) that :meth:`RotaryPositions.rotation` looked up for ``positions``."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+        self.positions = positions
+        self._by_dtype = {cos.dtype: (cos, sin)}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        found = self._by_dtype.get(dtype)
+        if found is None:  # e.g. bf16 under autocast: cast once, not per layer
+            cos, sin = next(iter(self._by_dtype.values()))
+            found = self._by_dtype[dtype] = (cos.to(dtype), sin.to(dtype))
+        return found
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions=None) -> tuple[torch.Tensor, torch.Tensor]:
+        c, s = self.tables(q.dtype)
+        return _rope(q, c, s), _rope(k, c, s)
+
+
 class RotaryPositions(NoPosition):
     """Differs from none: rotates each (q, k) coordinate pair by p*theta_j (Su et al. 2021), so
     q_m.k_n depends only on n - m. Pairs are (j, j + d/2), the layout of HF Llama checkpoints. The frequencies
     may be rescaled for a longer context (``cfg.rope_scaling``, one of ROPE_SCALINGS)."""
 
     has_rotation = True
+    rotation_type = Rotation  # what ``rotation`` returns
 
     def __init__(self, cfg: ModelConfig, *, causal: bool):
         super().__init__(cfg, causal=causal)
@@ -124,84 +145,15 @@ class RotaryPositions(NoPosition):
         """q: (B, H, T, d), k: (B, Hkv, T, d), positions: (B, T) or (T,)."""
         return self.rotation(positions)(q, k, positions)
 
-    def rotation(self, positions: torch.Tensor, length: int | None = None):
+    def rotation(self, positions: torch.Tensor, length: int | None = None) -> Rotation:
         """``rotate`` with the cos/sin rows of ``positions`` looked up once: a stack calls this once per forward
-        and every layer reuses the tables (one lookup instead of one per layer, which matters when decoding
-        one token at a time). Returns ``fn(q, k, positions)``; ``positions`` must be these. ``length``: the
-        tables must cover positions < length (a static cache's capacity; None: read max(positions), which
-        a compiled step cannot do)."""
+        and every layer reuses the tables. ``length``: the tables must cover positions < length (a static cache's
+        capacity; None: read max(positions), which a compiled step cannot do)."""
         cos, sin = self._cos_sin(int(positions.max()) + 1 if length is None else length, positions.device)
         cos, sin = cos[positions], sin[positions]  # (B, T, d) or (T, d)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d)
-        by_dtype = {cos.dtype: (cos, sin)}
-
-        def tables(dtype):
-            found = by_dtype.get(dtype)
-            if found is None:  # e.g. bf16 under autocast: cast once, not per layer
-                found = by_dtype[dtype] = (cos.to(dtype), sin.to(dtype))
-            return found
-
-        def rotate(q, k, _positions=None):
-            c, s = tables(q.dtype)
-            return _rope(q, c, s), _rope(k, c, s)
-
-        per_token = {}  # (dtype, n, heads) -> each position's rotation of each head as a (d, d) matrix
-
-        def matrices(y: torch.Tensor, n: int, h: int, d: int) -> torch.Tensor | None:
-            """(T, h, d, d) or (B, T, h, d, d): each position's rotation matrix per head of y (B, T, ...), built
-            once per forward (cos on the diagonal, +-sin at the pair's other coordinate, the identity for the heads
-            after the first n); None when they would be large (many tokens, or many rows with their own
-            positions)."""
-            B, T = y.shape[0], y.shape[1]
-            if (1 if positions.dim() == 1 else B) * T * h * d * d > 1 << 20:
-                return None
-            key = (y.dtype, n, h)
-            mats = per_token.get(key)
-            if mats is None:
-                c, s = tables(y.dtype)  # (T, d) or (B, 1, T, d)
-                c, s = (c[:, 0], s[:, 0]) if c.dim() == 4 else (c, s)  # (B, T, d) or (T, d)
-                lead = c.shape[:-1]
-                # cos 1 and sin 0 on the value heads: (..., h, d)
-                c = torch.cat([c[..., None, :].expand(*lead, n, d), c.new_ones(*lead, h - n, d)], -2)
-                s = torch.cat([s[..., None, :].expand(*lead, n, d), s.new_zeros(*lead, h - n, d)], -2)
-                mats = per_token[key] = torch.diag_embed(c) + _half_turn(d, y.dtype, y.device) * s[..., None, :]
-            return mats
-
-        def heads(y: torch.Tensor, n: int) -> torch.Tensor:
-            """Token-major heads y (B, T, heads, d) with the first ``n`` rotated (the q and k heads of the fused
-            q/k/v projection; the value heads after them are kept). For a few tokens (decoding) the rotation is one
-            batched matmul with each position's (d, d) rotation matrix per head (:func:`matrices`), instead of the
-            dozen elementwise calls of :func:`_rope` for q and k: the same products and sums, so the same values up
-            to rounding; a new tensor. For more tokens, :func:`_rope` on the q and k heads of y in place."""
-            B, T, h, d = y.shape
-            mats = matrices(y, n, h, d)
-            if mats is not None:
-                if positions.dim() == 1:  # (T, h, B, d) @ (T, h, d, d): the batch rows are the matmul's rows
-                    return torch.matmul(y.permute(1, 2, 0, 3), mats).permute(2, 0, 1, 3)
-                return torch.matmul(y.unsqueeze(-2), mats).squeeze(-2)  # (B, T, h, 1, d) @ (B, T, h, d, d)
-            c, s = tables(y.dtype)
-            c, s = (c[:, 0, :, None], s[:, 0, :, None]) if c.dim() == 4 else (c[:, None], s[:, None])
-            qk = y.narrow(2, 0, n)
-            qk.copy_(_rope(qk, c, s))
-            return y
-
-        def step(y: torch.Tensor, n: int, d: int) -> torch.Tensor:
-            """:func:`heads` for one token per row, from the fused projection's output y (B, 1, h * d) to head-major
-            (B, h, 1, d), with fewer view calls (a decoding step): the same matmul on the same operands, so the
-            same values as ``heads(y.unflatten(-1, (-1, d)), n).transpose(1, 2)``."""
-            B, h = y.shape[0], y.shape[-1] // d
-            mats = matrices(y, n, h, d)
-            if mats is None:
-                return heads(y.view(B, 1, h, d), n).transpose(1, 2)
-            if positions.dim() == 2:  # each row its own positions: (B, 1, h, 1, d) @ (B, 1, h, d, d)
-                return torch.matmul(y.view(B, 1, h, 1, d), mats).view(B, h, 1, d)
-            if B == 1:  # (1, h, 1, d) @ (1, h, d, d) is already head-major
-                return torch.matmul(y.view(1, h, 1, d), mats)
-            return torch.matmul(y.view(B, 1, h, d).permute(1, 2, 0, 3), mats).permute(2, 1, 0, 3)
-
-        rotate.heads, rotate.step = heads, step
-        return rotate
+        return self.rotation_type(cos, sin, positions)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, *, factor: float, low_freq_factor: float, high_freq_factor: float,
@@ -239,23 +191,6 @@ ROPE_SCALINGS = {
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-_HALF_TURNS: dict[tuple, torch.Tensor] = {}
-
-
-def _half_turn(d: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(d, d) R with x @ R = cat(-x2, x1) (the sin term of :func:`_rope` as a matrix): -1 at (j + d/2, j), +1 at
-    (j, j + d/2). Cached per size, dtype and device."""
-    key = (d, dtype, str(device), torch.is_inference_mode_enabled())
-    r = _HALF_TURNS.get(key)
-    if r is None:
-        half = torch.arange(d // 2, device=device)
-        r = torch.zeros(d, d, dtype=dtype, device=device)
-        r[half + d // 2, half] = -1.0
-        r[half, half + d // 2] = 1.0
-        _HALF_TURNS[key] = r
-    return r
 
 
 class RelativeBias(NoPosition):

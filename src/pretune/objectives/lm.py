@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..model.fused_ce import fused_linear_cross_entropy
 from ..model.heads import LMHead
 from .base import IGNORE, Objective, summed_ce
 
@@ -13,16 +12,15 @@ from .base import IGNORE, Objective, summed_ce
 def lm_loss_sum(model, h: torch.Tensor, targets: torch.Tensor,
                 n_valid: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sum of next-token cross-entropies, correct predictions or None) for hidden states h (N, dim)
-    against targets (N,) with -100 ignored. A plain (tied) linear head is fused with the loss, so the
-    (N, vocab) logits never exist; then accuracy is not computed (None)."""
+    against targets (N,) with -100 ignored. A plain (tied) linear head computes the loss itself
+    (``LMHead.cross_entropy``: a fast model's never builds the (N, vocab) logits); then accuracy is not computed
+    (None)."""
     head = model.head
     if n_valid < 0.9 * targets.numel():  # completion-only labels (SFT): the head sees only the rows that have one
         keep = targets != IGNORE
         h, targets = h[keep], targets[keep]
-    if isinstance(head, LMHead) and head.fusable and head.proj is None:
-        if head.scale is not None:
-            h = h * head.scale
-        return fused_linear_cross_entropy(h, head.weight, targets, bias=head.bias) * n_valid, None
+    if isinstance(head, LMHead) and head.fusable and head.proj is None:  # (a fast model fuses it with the head)
+        return head.cross_entropy(h, targets) * n_valid, None
     return summed_ce(head(h), targets)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.fused_ce import fused_linear_cross_entropy
 from ..model.heads import LMHead
 
 IGNORE_INDEX = -100
@@ -31,10 +30,8 @@ def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         targets = targets.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
     h = h[:, :-1].reshape(-1, h.shape[-1])  # (B*(T-1), dim)
     head = model.head
-    if isinstance(head, LMHead) and head.proj is None:  # plain (possibly tied) linear head: fuse with the loss
-        if head.scale is not None:
-            h = h * head.scale
-        return fused_linear_cross_entropy(h, head.weight, targets.reshape(-1), bias=head.bias)
+    if isinstance(head, LMHead):  # the head's own loss (a fast model's is fused with the cross-entropy)
+        return head.cross_entropy(h, targets.reshape(-1))
     logits = head(h)  # (B*(T-1), vocab)
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 

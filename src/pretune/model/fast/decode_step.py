@@ -33,13 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, build_mask, cast_mask
-from .cache import KVCache
-from .heads import LMHead
-from .layers import _SIGNS, Dropout, FeedForward, RMSNorm
-from .transformer import Block, Stack
+from ..attention import build_mask, cast_mask
+from ..cache import KVCache
+from ..heads import LMHead
+from ..layers import Dropout
+from ..transformer import Block, Stack
+from .attention import FastAttention
+from .cache import FastKVCache
+from .fused_ce import FastLMHead
+from .layers import _SIGNS, FastFeedForward, FastRMSNorm
 
-_NORMS = (RMSNorm, nn.LayerNorm, nn.Identity)  # RMSNorm covers RMSNormPlusOne (a subclass with its own forward)
+_NORMS = (FastRMSNorm, nn.LayerNorm, nn.Identity)  # FastRMSNorm covers FastRMSNormPlusOne (a subclass)
 
 
 def _onednn_linear_op():
@@ -94,7 +98,7 @@ class _Layer:
         # per-head q/k norms (Qwen3), wrapped projections (LoRA, (IA)3), biases on some of q/k/v only
         self.project = None
         if attn.q_norm is not None or not _plain(attn.q_proj, attn.k_proj, attn.v_proj):
-            self.project = attn._project_qkv
+            self.project = attn.project
         else:
             self.qkv_w, self.qkv_b = attn._qkv.weights((attn.q_proj, attn.k_proj, attn.v_proj))
         # soft-capped scores (Gemma 2): the attention's own eager path instead of SDPA
@@ -119,7 +123,7 @@ class _Layer:
 def _rows(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     """An RMSNorm's (2, dim) gain and eps for the layer_norm over the rows (x, -x) (RMSNorm's path for a few rows
     outside autograd); None for any other norm."""
-    return (norm.rows_gain(), norm.eps) if isinstance(norm, RMSNorm) else None
+    return (norm.rows_gain(), norm.eps) if isinstance(norm, FastRMSNorm) else None
 
 
 def _why_not(model: nn.Module) -> str | None:
@@ -132,6 +136,8 @@ def _why_not(model: nn.Module) -> str | None:
         return "in training mode"
     if not isinstance(model.head, LMHead):
         return "no LM head"
+    if not getattr(model, "fast", False):
+        return "the reference model (fast=False): it decodes through its forward"
     stack = model.transformer.decoder
     if type(stack) is not Stack or stack.extra_inputs is not None:
         return "extra input embeddings (prompt tuning)"
@@ -147,13 +153,13 @@ def _why_not(model: nn.Module) -> str | None:
         if type(block) is not Block or not block.pre_norm or block.cross_attn is not None:
             return "a block that is not pre-norm (or sandwich) self-attention + FFN"
         attn, ffn = block.attn, block.ffn
-        if type(attn) is not Attention or attn.extra_kv is not None:
+        if type(attn) is not FastAttention or attn.extra_kv is not None:
             return "attention with extra keys (prefix tuning)"
         if attn.q_norm is not None and not (isinstance(attn.q_norm, _NORMS) and isinstance(attn.k_norm, _NORMS)):
             return "per-head q/k norms outside the registry"
         if any(n is not None and not isinstance(n, _NORMS) for n in (block.attn_post_norm, block.ffn_post_norm)):
             return "a sandwich norm outside the registry"
-        if type(ffn) is not FeedForward:
+        if type(ffn) is not FastFeedForward:
             return f"FFN {type(ffn).__name__}"
         if not isinstance(block.attn_norm, _NORMS) or not isinstance(block.ffn_norm, _NORMS):
             return "a norm outside the registry"
@@ -183,8 +189,8 @@ class FlatDecoder:
         self.norm = stack.norm.forward if stack.norm is not None else None
         self.head = model.head.forward
         head = model.head  # a plain LM head (no soft-capping, rescaling or factorisation): one linear map
-        self.head_wb = (head.weight, head.bias) if type(head) is LMHead and head.scale is None and head.proj is None \
-            else None
+        plain_head = type(head) is FastLMHead and head.scale is None and head.proj is None
+        self.head_wb = (head.weight, head.bias) if plain_head else None
         # the plain projections and the head through oneDNN's matrix-vector kernel (fp32 weights, contiguous)
         plain = [w for layer in self.layers for w in (
             *((layer.qkv_w,) if layer.project is None else ()), *((layer.o_w,) if layer.o is None else ()),
@@ -234,6 +240,7 @@ class FlatDecoder:
             rotations = (rotate, rotate if stack.local_position is None else
                          stack.local_position.rotation(position_ids))
         caches = [cache.layer(i) for i in range(len(self.layers))]
+        fast_cache = isinstance(cache, FastKVCache)  # (a reference KVCache: its own append)
         # fp32 outside autograd and autocast on CPU: oneDNN's matrix-vector kernel for the plain products
         gemv = self.onednn and x.is_cpu and x.dtype == torch.float32 and not torch.is_grad_enabled() and \
             not torch.is_autocast_enabled("cpu")
@@ -258,7 +265,8 @@ class FlatDecoder:
             if layer.project is None:  # the fused path: one token's heads, head-major (B, H + 2 Hkv, 1, Dh)
                 y = linear(h, layer.qkv_w, layer.qkv_b)
                 y = y.view(B, -1, 1, dh) if rotate is None else rotate.step(y, H + Hkv, dh)
-                k, v = lc.write_heads(y.narrow(1, H, 2 * Hkv))
+                kv = y.narrow(1, H, 2 * Hkv)  # (B, 2 Hkv, 1, Dh): keys, then values
+                k, v = lc.write_heads(kv) if fast_cache else lc.append(kv.narrow(1, 0, Hkv), kv.narrow(1, Hkv, Hkv))
                 q = y.narrow(1, 0, H)
             else:  # the attention's general path, (B, H, T, Dh) and (B, Hkv, T, Dh) (q/k norms, wrappers)
                 q, k, v = layer.project(h)

@@ -13,8 +13,7 @@ import weakref
 
 import torch
 
-IGNORE_INDEX = -100
-
+from ..heads import IGNORE_INDEX, LMHead
 
 _CASTS: dict[int, tuple] = {}  # id(frozen weight) -> (weakref to it, key, its low-precision copy); freed with it
 
@@ -104,3 +103,16 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     With no valid target the loss is 0 with zero gradients (F.cross_entropy would give NaN).
     """
     return _FusedLinearCrossEntropy.apply(h, weight, targets, chunk, bias)
+
+
+class FastLMHead(LMHead):
+    """LMHead (same weights, same logits) whose ``cross_entropy`` runs :func:`fused_linear_cross_entropy`: the
+    (N, vocab) logits are never built. Equal to the reference's loss and gradients up to rounding."""
+
+    def cross_entropy(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.fusable:
+            return super().cross_entropy(h, targets)
+        x = h * self.scale if self.scale is not None else h
+        if self.proj is not None:
+            x = self.proj(x)
+        return fused_linear_cross_entropy(x, self.weight, targets, bias=self.bias)
