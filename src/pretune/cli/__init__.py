@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from .. import catalog
 from .flags import DISTILL_FLAGS, FINETUNE_FLAGS, PRETRAIN_FLAGS, add_flags, config_layer
 
 EPILOG = """examples:
@@ -40,15 +41,10 @@ EPILOG = """examples:
 """
 
 
-FINETUNE_EPILOG = """tasks and their data fields (rename with task.<x>_field=NAME):
-  classification  text, label           single text -> label ([CLS]/mean pooling; decoders: last token)
-  pair            text_a, text_b, label BERT [CLS] a [SEP] b [SEP] or GPT [START] a [DELIM] b [EXTRACT]
-  regression      text (or text_a, text_b), label (a number)   STS-B style, MSE
-  tagging         tokens, tags          one tag per word (BIO for NER), scored with seqeval
-  qa              context, question, answers   extractive spans, sliding window (task.stride), SQuAD 2.0
-  seq2seq         source, target        text-to-text with task.prefix; greedy generation
-  choice          text, label           classification by the LM's likelihood of each label's answer text
-  multilabel      text, label (a list)  a set of labels per text: a sigmoid each, micro/macro F1, subset accuracy
+FINETUNE_EPILOG = f"""tasks and the record fields they read (rename with task.<x>_field=NAME):
+{catalog.listing(catalog.TASKS)}
+PEFT methods (--peft METHOD, or a '+' combination such as lora+prompt):
+{catalog.listing(catalog.PEFT_METHODS)}
 examples:
   pretune finetune --model MINILM_DIR --task classification --train train.jsonl --dev dev.jsonl --test test.jsonl
   pretune finetune --model runs/mlm/model --from-scratch --task classification --train ... --epochs 2
@@ -355,8 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=lambda a: print("\n".join(__import__("pretune").preset_names())) or 0)
 
     s = sub.add_parser("convert", help="import from / export to Hugging Face transformers folders",
-                       description="Convert between pretune checkpoints and Hugging Face transformers folders "
-                       "(BERT, RoBERTa, GPT-2, T5 v1.0/v1.1, Llama). Outputs are written atomically.")
+                       description="Convert between pretune checkpoints and Hugging Face transformers folders of "
+                       "the families below. Outputs are written atomically.",
+                       epilog=f"families (the model_type of config.json):\n{catalog.listing(catalog.FAMILIES)}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--from-hf", metavar="DIR", help="Hugging Face folder to import")
     s.add_argument("--to-hf", metavar="DIR", help="pretune checkpoint folder to export")
     s.add_argument("--out", metavar="DIR", required=True, help="destination folder (new or empty)")
@@ -386,16 +384,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_data_parsers(sub)
 
-    s = sub.add_parser("pretrain", help="pretrain a model with any objective (clm, mlm, electra, span, denoise, ...)",
+    s = sub.add_parser("pretrain", help=f"pretrain a model with any objective ({catalog.names(catalog.OBJECTIVES)})",
                        description="Pretrain from raw text: tokenizer -> token store -> packed blocks -> objective "
                        "-> checkpoints. Settings come from a preset, then --config YAML, then the flags below, then "
                        "section.key=value overrides (sections: model, tokenizer, data, objective, train; see "
                        "--print-config). "
                        "Under `torchrun --nproc_per_node N` the same command trains with DDP.",
-                       epilog="objectives: clm, prefix_lm (decoders); mlm, nsp, sop, electra (encoders); span, "
-                       "iid_spans, bert_style, iid_mask, drop_tokens, deshuffle, denoise, prefix_lm (encoder-decoders "
-                       "and decoders).\nexample: pretune pretrain --preset tiny-bert-base --objective mlm --tokenizer "
-                       "tok.json --data corpus/*.txt.gz train.steps=200 objective.whole_word=true",
+                       epilog=f"objectives (--objective NAME; the families that serve each):\n"
+                       f"{catalog.listing(catalog.OBJECTIVES)}\nexample: pretune pretrain --preset tiny-bert-base "
+                       "--objective mlm --tokenizer tok.json --data corpus/*.txt.gz train.steps=200 "
+                       "objective.whole_word=true",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-3")
     s.add_argument("--config", metavar="YAML", help="run config file")
@@ -429,12 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_distill)
 
-    s = sub.add_parser("finetune", help="finetune a checkpoint on a downstream task (classification, pair, "
-                       "regression, tagging, qa, seq2seq)",
+    s = sub.add_parser("finetune", help=f"finetune a checkpoint on a downstream task ({catalog.names(catalog.TASKS)})",
                        description="Finetune a pretune checkpoint or Hugging Face folder (or a preset from scratch) "
                        "on labelled JSONL/CSV/TSV/Parquet data, with the task's standard metrics on dev (keep-best, "
                        "early stopping) and test. Settings: --config YAML, then the flags below, then "
-                       "section.key=value overrides (sections: model, tokenizer, task, data, tune, train; see "
+                       "section.key=value overrides (sections: model, tokenizer, task, data, tune, peft, train; see "
                        "--print-config).",
                        epilog=FINETUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
@@ -463,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("--json", help="also write the metrics to this JSON file (a new file)")
         s.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
-        s.add_argument("--task", help="task name when the model has no task.json")
+        s.add_argument("--task", help=f"task name when the model has no task.json: {catalog.names(catalog.TASKS)}")
         s.add_argument("--base", help="base model of an adapter folder (default: the path it recorded)")
         s.add_argument("--set", action="append", metavar="FIELD=VALUE",
                        help="task setting override, e.g. --set text_field=sentence (repeatable)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import catalog
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -29,7 +31,7 @@ class Flag:
 
 PRETRAIN_FLAGS = (
     Flag("--preset", "model.preset", "model preset"),
-    Flag("--objective", "objective.name", "objective name"),
+    Flag("--objective", "objective.name", f"objective name: {catalog.names(catalog.OBJECTIVES)}"),
     Flag("--tokenizer", "tokenizer", "tokenizer.json or a folder holding one"),
     Flag("--data", "data.train", "training text (files, folders, globs)", nargs="+", metavar="SOURCE"),
     Flag("--out", "train.out", "run folder"),
@@ -57,7 +59,7 @@ DISTILL_FLAGS = (
 FINETUNE_FLAGS = (
     Flag("--model", "model.init", "checkpoint, Hugging Face or adapter folder to start from"),
     Flag("--preset", "model.preset", "train a preset from scratch instead (needs --tokenizer)"),
-    Flag("--task", "task.name", "classification, pair, regression, tagging, qa, seq2seq, sft, choice or multilabel"),
+    Flag("--task", "task.name", catalog.names(catalog.TASKS)),
     Flag("--tokenizer", "tokenizer", "tokenizer.json or folder (default: the model's)"),
     Flag("--train", "data.train", "training records"),
     Flag("--dev", "data.dev", "dev records (default: 10%% of train held out)"),
@@ -66,7 +68,7 @@ FINETUNE_FLAGS = (
          "train.steps instead)", type=float),
     Flag("--from-scratch", "tune.from_scratch", "same architecture, random weights", switch=True),
     Flag("--freeze-body", "tune.freeze_body", "train only the task head", switch=True),
-    Flag("--peft", "peft.method", "parameter-efficient: lora, adapter, prefix, prompt, ia3, embeddings, bitfit or a "
+    Flag("--peft", "peft.method", f"parameter-efficient: {catalog.names(catalog.PEFT_METHODS)} or a "
          "'+' combination (sizes: peft.r=8 peft.alpha=16 peft.n_virtual=20 ...; peft.base_dtype=bf16 stores the "
          "frozen linear weights in bf16, with train.precision=bf16); the run saves a small adapter folder",
          metavar="METHOD"),

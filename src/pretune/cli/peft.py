@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .. import catalog
+
 
 def cmd_merge(args) -> int:
     from ..checkpoint import save
@@ -57,21 +59,8 @@ def cmd_info(args) -> int:
     return 0
 
 
-# the methods as the parser lists them (pretune.peft.methods is the registry; importing it would import torch, which
-# `pretune peft --help` must not: tests/test_cli.py keeps the two equal)
-METHOD_HELP = {
-    "lora": "low-rank update W0 + (alpha/r) B A of the target linear layers (Hu et al. 2021)",
-    "adapter": "Houlsby bottleneck (down, nonlinearity, up, residual) after attention and after the FFN",
-    "prefix": "trainable key/value prefixes at every self-attention layer (Li & Liang 2021)",
-    "prompt": "a soft prompt of n_virtual trainable embeddings prepended to the input (Lester et al. 2021)",
-    "ia3": "learned vectors rescaling keys, values and the FFN inner activation (Liu et al. 2022, T-Few)",
-    "embeddings": "train the token embedding matrix only (language adaptation)",
-    "bitfit": "train only the bias terms (+ the task head) (Ben Zaken et al. 2021)",
-}
-
-
 def add_peft_parser(sub) -> None:
-    methods = "\n".join(f"  {m:<11} {h}" for m, h in METHOD_HELP.items())  # (kept equal to the registry: a test)
+    methods = catalog.listing(catalog.PEFT_METHODS)
     s = sub.add_parser("peft", help="adapter folders: merge into the base model, describe",
                        description="Parameter-efficient finetuning runs with `pretune finetune --peft METHOD`; "
                        "these commands handle the adapter folders it writes.",
