@@ -4,6 +4,7 @@ order, and the help texts list all of it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import subprocess
 import sys
@@ -14,9 +15,9 @@ from pretune import catalog
 from pretune.cli import main
 from pretune.interop import _families
 from pretune.objectives import OBJECTIVES
-from pretune.peft import METHOD_HELP
+from pretune.peft import METHOD_HELP, PeftConfig
 from pretune.peft.methods import METHODS
-from pretune.tasks import TASKS
+from pretune.tasks import TASKS, TaskConfig
 
 REGISTRIES = {"objectives": (catalog.OBJECTIVES, OBJECTIVES), "tasks": (catalog.TASKS, TASKS),
               "peft methods": (catalog.PEFT_METHODS, METHODS), "families": (catalog.FAMILIES, _families())}
@@ -65,3 +66,21 @@ def test_help_lists_every_entry(argv, names):
     text = _help(*argv)
     missing = [n for n in names if f"\n  {n} " not in text]
     assert not missing, f"`pretune {' '.join(argv)} --help` does not list {missing}"
+
+
+# -------------------------------------------------------------------------------------------- owned settings
+@pytest.mark.parametrize("base, owners", [(TaskConfig, {n: c.Settings for n, c in TASKS.items()}),
+                                          (PeftConfig, {n: m.Settings for n, m in METHODS.items()})])
+def test_each_owner_declares_its_settings_and_a_shared_key_has_one_default(base, owners):
+    """Every task's and method's Settings extend the shared section; a key two of them have (pair's and
+    classification's label_field, prefix's and prompt's n_virtual) has one default, the one a config's bottom layer
+    (runconfig.union_defaults) gives it."""
+    defaults: dict = {}
+    for name, cls in owners.items():
+        assert issubclass(cls, base), f"{name}.Settings does not extend {base.__name__}"
+        for f in dataclasses.fields(cls):
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if f.name in (base.SELECTOR,):
+                continue
+            assert defaults.setdefault(f.name, (value, name))[0] == value, \
+                f"{f.name}: {defaults[f.name][1]} has default {defaults[f.name][0]!r}, {name} {value!r}"

@@ -155,7 +155,8 @@ def test_text_settings_on_the_command_line_stay_text():
     """"Question: {q}" would be a YAML mapping to OmegaConf's dot-list parser; a str setting keeps it as written."""
     from pretune.finetune import load_finetune_config
 
-    cfg = load_finetune_config(None, ["task.prompt_template=Question: {q} Answer:", "task.prefix='sst2: '",
-                                      "task.max_len=64", "task.labels=[a, b]", "train.lr=1e-3"])
-    assert cfg.task.prompt_template == "Question: {q} Answer:" and cfg.task.prefix == "sst2: "
+    sft = load_finetune_config(None, ["task.name=sft", "task.prompt_template=Question: {q} Answer:"])
+    cfg = load_finetune_config(None, ["task.name=choice", "task.prefix='sst2: '", "task.max_len=64",
+                                      "task.labels=[a, b]", "train.lr=1e-3"])  # (each task has its own settings)
+    assert sft.task.prompt_template == "Question: {q} Answer:" and cfg.task.prefix == "sst2: "
     assert cfg.task.max_len == 64 and cfg.task.labels == ["a", "b"] and cfg.train.lr == 1e-3

@@ -111,29 +111,33 @@ class FinetuneConfig:
         Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(self.to_dict())))
 
 
+def _stored_as_now(stored: dict) -> dict:
+    """A run.yaml's config as a run writes it now: the task and peft sections hold what applies to the task and
+    methods they name (a run.yaml written before those settings moved to their owners lists every key)."""
+    from .peft.config import peft_settings
+    from .tasks import task_settings
+
+    out = dict(stored)
+    for key, build in (("task", task_settings), ("peft", peft_settings)):
+        try:
+            out[key] = dataclasses.asdict(build(dict(stored.get(key) or {})))
+        except ConfigError:
+            pass  # as it was: the comparison names what differs
+    return out
+
+
 def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base: dict | None = None) -> FinetuneConfig:
     """defaults ← YAML ← flags (``base``) ← ``section.key=value``, validated (unknown keys name the nearest)."""
-    from .config import _did_you_mean
-    from .tasks import TASKS
+    from .peft.config import peft_defaults
+    from .tasks import task_defaults
 
-    merged = merge_layers(FinetuneConfig().to_dict(), yaml_file, overrides, base,
-                          ["model", "tokenizer", *FinetuneConfig.SECTIONS])
+    # the task and peft sections belong to the task and methods they name (each checks its own settings): their
+    # bottom layer holds every task's and method's keys, and each section keeps those that apply
+    defaults = {**FinetuneConfig().to_dict(), "task": task_defaults(), "peft": peft_defaults()}
+    merged = merge_layers(defaults, yaml_file, overrides, base, ["model", "tokenizer", *FinetuneConfig.SECTIONS])
     cfg = FinetuneConfig(model=merged["model"], tokenizer=str(merged.get("tokenizer") or ""),
                          **{k: section(k, c, merged.get(k) or {}) for k, c in FinetuneConfig.SECTIONS.items()})
-    t, tune, tr = cfg.task, cfg.tune, cfg.train
-    if t.name not in TASKS:
-        close = _did_you_mean(t.name, list(TASKS))
-        raise ConfigError(f"task.name={t.name!r}: expected one of {', '.join(TASKS)}"
-                          f"{close if 'did you mean' in close else ''}")
-    if t.max_len < 8:
-        raise ConfigError(f"task.max_len={t.max_len} is too short (at least 8 tokens)")
-    if not 0 < t.threshold < 1:
-        raise ConfigError(f"task.threshold={t.threshold}: expected a probability strictly between 0 and 1 (multilabel "
-                          "predicts each label whose probability exceeds it)")
-    if t.pooling and t.pooling not in ("pooler", "cls", "mean", "last"):
-        raise ConfigError(f"task.pooling={t.pooling!r} is not one of pooler, cls, mean, last")
-    if t.stride < 0 or t.max_answer_len < 1 or t.max_target_len < 2:
-        raise ConfigError("task.stride must be >= 0, task.max_answer_len >= 1 and task.max_target_len >= 2")
+    tune, tr = cfg.tune, cfg.train
     for key, value, ok, want in (("tune.epochs", tune.epochs, tune.epochs >= 0, ">= 0 (0: train for train.steps)"),
                                  ("tune.patience", tune.patience, tune.patience >= 0, ">= 0 (0: never stop early)"),
                                  ("tune.evals_per_epoch", tune.evals_per_epoch, tune.evals_per_epoch >= 1, ">= 1"),
@@ -151,7 +155,6 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
         raise ConfigError(f"data.train_limit={cfg.data.train_limit}: expected a number of training records >= 0 "
                           "(0: all of them)")
     if cfg.peft.method:
-        cfg.peft.validated()
         if tune.freeze_body or tune.from_scratch:
             raise ConfigError("peft.method trains adapters on a frozen pretrained body: it does not combine with "
                               "tune.freeze_body or tune.from_scratch")
@@ -560,7 +563,7 @@ def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_
     run_dir = Path(tr.out)
     if dist.is_main:
         run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
-                                     derived=tuple(job.derived))
+                                     derived=tuple(job.derived), stored_as_now=_stored_as_now)
     barrier(dist)
     counts = count_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -183,12 +183,13 @@ def claim(folder: str | os.PathLike, entries, *, what: str = "run") -> None:
 
 
 def prepare_run_folder(run_dir: str | os.PathLike, config: dict, *, resume: bool, overwrite: bool, log=print,
-                       derived=(), writes=()) -> Path:
+                       derived=(), writes=(), stored_as_now=None) -> Path:
     """Get a pretraining or finetuning run folder ready (the main process only): a new run needs an empty folder
     (or --overwrite, which removes what an earlier run wrote there, nothing else, and refuses a name the run would
     write that holds something of the user's); --resume needs the run's own folder and a config that differs from
     its run.yaml only where that is allowed (runconfig.check_resume). ``writes``: more entries the run writes
-    (pretraining's token store ``data``)."""
+    (pretraining's token store ``data``). ``stored_as_now``: the run.yaml's config as the job writes it now (a job
+    whose sections changed shape reads an older run.yaml through it)."""
     from .runconfig import check_resume
 
     run_dir = check_folder(run_dir, overwrite=overwrite, resume=resume, what="run")
@@ -202,6 +203,8 @@ def prepare_run_folder(run_dir: str | os.PathLike, config: dict, *, resume: bool
             old = OmegaConf.to_container(OmegaConf.load(stored))
         except Exception as e:  # noqa: BLE001 - any YAML failure: name the file
             raise OutputError(f"{stored}: not readable ({e}); cannot check the config the run started with") from None
+        if stored_as_now is not None:
+            old = stored_as_now(old)
         for line in check_resume(old, config, source=str(run_dir), derived=derived):
             log(f"resume: {line}")
         return run_dir

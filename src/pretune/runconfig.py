@@ -2,10 +2,11 @@
 
 Precedence: preset → YAML file → command-line flags → ``section.key=value`` overrides. OmegaConf reads and
 merges the YAML and dot-list layers (types, interpolation); every section is then validated by its typed
-dataclass (``section``), so an unknown key or a bad value is an error naming the nearest valid one. The
-``objective`` section belongs to each objective (``pretune.objectives``: ``objective_settings``) and the
-finetuning sections to ``pretune.finetune``; ``pretune.pretrain.load_run_config`` assembles a pretraining run.
-No torch import here.
+dataclass (``section``), so an unknown key or a bad value is an error naming the nearest valid one. A section
+owned by what it names is built by ``owned_section`` from its owner's Settings: ``objective`` by each objective
+(``pretune.objectives``: ``objective_settings``), ``task`` by each task (``pretune.tasks``: ``task_settings``),
+``peft`` by the PEFT methods (``pretune.peft.config``: ``peft_settings``); the other finetuning sections are
+``pretune.finetune``'s, and ``pretune.pretrain.load_run_config`` assembles a pretraining run. No torch import here.
 """
 
 from __future__ import annotations
@@ -143,7 +144,15 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
 
 
 def section(section: str, cls: type, values: dict) -> Any:
-    """A typed config section from a mapping: unknown keys and wrong types are errors naming the key."""
+    """A typed config section from a mapping: unknown keys and wrong types are errors naming the key. A section
+    owned by what it names (``task``, ``peft``) picks its own class: ``cls.from_values(values)``."""
+    owned = getattr(cls, "from_values", None)
+    if owned is not None:
+        return owned(values)
+    return _typed(section, cls, values)
+
+
+def _typed(section: str, cls: type, values: dict) -> Any:
     import typing
 
     hints = typing.get_type_hints(cls)
@@ -154,6 +163,71 @@ def section(section: str, cls: type, values: dict) -> Any:
             raise ConfigError(f"unknown key {section}.{k}{_did_you_mean(k, names)}")
         out[k] = _check_type(section, k, v, hints[k])
     return cls(**out)
+
+
+def _default(f) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def owned_section(section: str, cls: type, values: dict, *, kind: str, name: str, owners: dict[str, type],
+                  selector: str = "name", others: Literal["default", "any"] = "default") -> Any:
+    """A section whose keys belong to what it names (an objective, a task, PEFT methods): ``values`` as ``cls``, the
+    Settings dataclass of ``kind`` ``name`` (``values[selector]`` named it), type-checked and validated
+    (``cls.validate()``). A key ``cls`` lacks that another of ``owners`` (name -> its Settings) has is left out: with
+    ``others="any"`` once that one has checked its value (a sweep may share settings across tasks, and a bad value is
+    an error wherever it is set; the section then holds, and run.yaml shows, what applies), with
+    ``others="default"`` only at that one's default (a run.yaml written before the settings were split lists every
+    key), an error otherwise. A key nobody has is an error naming the nearest of ``cls``'s."""
+    own = [f.name for f in fields(cls)]
+    listed = ", ".join(sorted(set(own) - {selector}))
+    kept = {}
+    for key, value in values.items():
+        if key in own:
+            kept[key] = value
+            continue
+        holders = [o for o, c in owners.items() if key in {f.name for f in fields(c)}]
+        if not holders:
+            raise ConfigError(f"unknown key {section}.{key}{_did_you_mean(str(key), sorted(own))}; {kind} {name!r} "
+                              f"has: {listed or 'no settings'}")
+        if others == "any":
+            _typed(section, owners[holders[0]], {selector: holders[0], key: value}).validate()
+            continue
+        default = _default(next(f for f in fields(owners[holders[0]]) if f.name == key))
+        if value != default:
+            raise ConfigError(f"{section}.{key}={value!r} does not apply to {kind} {name!r} (it is a setting of "
+                              f"{', '.join(holders)}); {name}'s settings: {listed or 'none'}")
+    settings = _typed(section, cls, kept)
+    settings.validate()
+    return settings
+
+
+class Owned(type):
+    """Metaclass of a config section that belongs to what it names (``TaskConfig``: a task, ``PeftConfig``: PEFT
+    methods). Calling the section's base class, or ``dataclasses.replace(settings, name=X)``, makes the settings of
+    what it names (``settings_for(X)``); a key only others have is left out, as ``owned_section`` leaves it out.
+    The base class sets ``SELECTOR`` (the key that names) and the classmethods ``settings_for(value)`` and
+    ``all_keys()``."""
+
+    def __call__(cls, *args, **kwargs):
+        base = next(c for c in reversed(cls.__mro__) if "SELECTOR" in c.__dict__)
+        value = args[0] if args else kwargs.get(base.SELECTOR)
+        if value is None and cls is not base:
+            return super().__call__(*args, **kwargs)
+        target = base.settings_for(getattr(base, base.SELECTOR) if value is None else value)
+        own, everyone = {f.name for f in fields(target)}, base.all_keys()
+        kept = {k: v for k, v in kwargs.items() if k in own or k not in everyone}
+        return super(Owned, type(target)).__call__(target, *args, **kept)
+
+
+def union_defaults(classes) -> dict:
+    """Every key of the Settings dataclasses ``classes`` at its default: the layer under a config file and the
+    command line for a section whose keys belong to what it names (the types of its text settings come from it).
+    A key several classes have has one default (tests/test_catalog.py checks)."""
+    out: dict = {}
+    for c in classes:
+        for f in fields(c):
+            out.setdefault(f.name, _default(f))
+    return out
 
 
 def check_batch(t: TrainConfig, world: int = 1) -> None:

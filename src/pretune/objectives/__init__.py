@@ -27,31 +27,15 @@ def objective_settings(values: dict | None = None, **kw) -> Settings:
     """The typed, checked ``objective`` section: ``values`` (and keyword overrides) with ``name`` picking the
     objective. A key another objective owns is an error when it differs from that objective's default (a run.yaml
     written before settings were split per objective lists every key at its default, and still loads)."""
-    from ..runconfig import section
+    from ..runconfig import owned_section
 
     values = {**(values or {}), **kw}
     name = values.get("name", Settings.name)
     if name not in OBJECTIVES:
         hint = _did_you_mean(str(name), list(OBJECTIVES))
         raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}{hint}")
-    cls = OBJECTIVES[name].Settings
-    own = {f.name for f in dataclasses.fields(cls)}
-    kept = {}
-    for key, value in values.items():
-        if key in own:
-            kept[key] = value
-            continue
-        owners = [o for o, c in OBJECTIVES.items() if key in {f.name for f in dataclasses.fields(c.Settings)}]
-        if not owners:
-            raise ConfigError(f"unknown key objective.{key}{_did_you_mean(key, sorted(own))}; objective {name!r} "
-                              f"has: {', '.join(sorted(own - {'name'})) or 'no settings'}")
-        default = next(f.default for f in dataclasses.fields(OBJECTIVES[owners[0]].Settings) if f.name == key)
-        if value != default:
-            raise ConfigError(f"objective.{key}={value!r} does not apply to objective {name!r} (it is a setting of "
-                              f"{', '.join(owners)}); {name}'s settings: {', '.join(sorted(own - {'name'})) or 'none'}")
-    settings = section("objective", cls, kept)
-    settings.validate()
-    return settings
+    return owned_section("objective", OBJECTIVES[name].Settings, values, kind="objective", name=name,
+                         owners={o: c.Settings for o, c in OBJECTIVES.items()})
 
 
 def build_objective(cfg: Settings, model, tokenizer, *, teacher=None) -> Objective:

@@ -1,42 +1,47 @@
-"""What a parameter-efficient adapter trains: one method or a '+'-joined combination, and its sizes.
+"""What a parameter-efficient adapter trains: one method or a '+'-joined combination, and its settings.
 
-The methods themselves (and their help, checks and defaults) are the modules of ``pretune.peft.methods``."""
+The shared settings are ``PeftConfig``'s (``method``, ``base_dtype``); each method declares its own in its module of
+``pretune.peft.methods`` (``Settings``, a subclass), with its checks and defaults. ``PeftConfig(method="lora", r=8)``
+is lora's settings and ``PeftConfig(method="lora+prompt", ...)`` those of both (one class holding both methods'
+fields); ``peft_settings(values)`` builds them from a mapping, checked."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Literal
 
 from ..config import ConfigError
+from ..runconfig import Owned
 
 BASE_DTYPES = ("fp32", "bf16", "auto")
 
 
 @dataclass
-class PeftConfig:
+class PeftConfig(metaclass=Owned):
     """One adapter: ``method`` is a method of ``pretune.peft.methods.METHODS`` or a combination such as
-    ``lora+prompt`` or ``embeddings+adapter``. Each method reads the fields that concern it."""
+    ``lora+prompt`` or ``embeddings+adapter``; the fields of the methods it names come with it."""
 
     method: str = ""  # lora | adapter | prefix | prompt | ia3 | embeddings | bitfit, or a '+'-joined combination
-    targets: list = field(default_factory=list)  # lora: module patterns (leaf name, dotted suffix or regex), or
-    # ["all-linear"]: every linear layer of the body (peft's "all-linear": not the output head)
-    r: int = 8  # lora rank
-    alpha: float = 16.0  # lora scaling alpha / r
-    dora: bool = False  # lora: weight-decomposed (DoRA, Liu et al. 2024): a trained magnitude per row (use_dora)
-    rslora: bool = False  # lora: scale by alpha / sqrt(r) (rank-stabilised LoRA, Kalajdzievski 2023; peft use_rslora)
-    dropout: float = 0.0  # lora: dropout on the input of A
-    bias: str = "none"  # lora: biases trained with the adapter: none, all (every bias of the body), lora_only
-    ia3_targets: list = field(default_factory=list)  # (IA)3 module patterns; default keys, values, FFN inner
-    reduction_factor: int = 16  # adapter: bottleneck width = dim / reduction_factor
-    adapter_act: str = "relu"  # adapter nonlinearity: relu, gelu, swish, tanh
-    n_virtual: int = 20  # prefix / prompt: number of virtual tokens
-    prefix_projection: int = 0  # prefix: hidden width of the reparametrisation MLP (0: train the prefixes directly)
-    prompt_init: str = "vocab"  # prompt: vocab (rows of random vocabulary embeddings), random, or text:WORDS
-    embed_positions: bool = False  # embeddings: also train a learned position table
     base_dtype: Literal["fp32", "bf16", "auto"] = "fp32"  # storage of the frozen base's linear weights: bf16 halves
     # their memory (matmuls under train.precision=bf16 round them to bf16 anyway); auto: bf16 when the run's precision
     # resolves to bf16. Embedding tables, norms and biases stay fp32, trainable parameters (and AdamW state) too
+
+    SELECTOR = "method"  # PeftConfig(method=X, ...) is the settings of method(s) X (runconfig.Owned)
+
+    @classmethod
+    def settings_for(cls, method: str) -> type[PeftConfig]:
+        return settings_class(method)
+
+    @classmethod
+    def all_keys(cls) -> set[str]:
+        return set(peft_defaults())
+
+    @classmethod
+    def from_values(cls, values: dict) -> PeftConfig:
+        """``runconfig.section("peft", PeftConfig, values)``: the named methods' settings, checked."""
+        return peft_settings(values)
 
     @property
     def methods(self) -> list[str]:
@@ -47,34 +52,88 @@ class PeftConfig:
 
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "adapter config") -> PeftConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown PEFT keys {unknown}; expected some of {sorted(known)}")
-        return cls(**data).validated()
+        """The settings an adapter file records (keys of methods it does not use, which files written before the
+        settings were split list, are left out)."""
+        try:
+            return peft_settings(data).validated()
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def validate(self) -> None:
+        """Check the values of a named method (runconfig.owned_section calls it); none named: nothing to check."""
+        if self.methods:
+            self.validated()
 
     def validated(self) -> PeftConfig:
-        from .methods import METHODS
+        from . import METHODS  # the registry, through the package (its modules import this one)
 
         methods = self.methods
         names = ", ".join(METHODS)
         if not methods:
             raise ConfigError(f"peft.method is empty; choose one of {names} or a '+' combination")
-        bad = [m for m in methods if m not in METHODS]
-        if bad:
-            raise ConfigError(f"peft.method={self.method!r}: unknown method {bad[0]!r}; expected one of {names} "
-                              "(or a combination such as lora+prompt)")
-        if len(set(methods)) != len(methods):
-            raise ConfigError(f"peft.method={self.method!r} names a method twice")
+        _check_names(self.method)
         for m in methods:
             METHODS[m].validate(self)
         if self.base_dtype not in BASE_DTYPES:
             raise ConfigError(f"peft.base_dtype={self.base_dtype!r}: expected one of {', '.join(BASE_DTYPES)}")
         for name in ("targets", "ia3_targets"):
-            value = getattr(self, name)
+            value = getattr(self, name, None)
             if isinstance(value, str):
                 setattr(self, name, [v for v in value.split(",") if v])
         return self
+
+
+def _check_names(method: str) -> list[str]:
+    from . import METHODS
+
+    methods = [m for m in method.split("+") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ConfigError(f"peft.method={method!r}: unknown method {bad[0]!r}; expected one of {', '.join(METHODS)} "
+                          "(or a combination such as lora+prompt)")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"peft.method={method!r} names a method twice")
+    return methods
+
+
+@functools.cache
+def settings_class(method: str) -> type[PeftConfig]:
+    """The settings dataclass of ``method``: PeftConfig itself when empty (full finetuning), the method's own
+    ``Settings``, or for a combination one class holding the fields of each (a field two methods share, such as
+    prefix's and prompt's ``n_virtual``, is one setting)."""
+    if not method:
+        return PeftConfig
+    from . import METHODS
+
+    classes = list(dict.fromkeys(METHODS[m].Settings for m in _check_names(method)))
+    if len(classes) == 1:
+        return classes[0]
+    # the first method's fields first (a dataclass collects its bases' fields from the last base to the first)
+    combined = Owned(f"PeftConfig[{method}]", tuple(reversed(classes)), {"__doc__": f"The settings of {method}."})
+    return dataclass(combined)
+
+
+def peft_settings(values: dict | None = None, **kw) -> PeftConfig:
+    """The typed, checked ``peft`` section: ``values`` (and keyword overrides) with ``method`` picking the method(s).
+    Keys of other methods are left out (a sweep over methods may share them; an adapter file or run.yaml written
+    before the settings were split lists every key); a key no method has is an error naming the nearest."""
+    from ..runconfig import owned_section
+    from . import METHODS
+
+    values = {**(values or {}), **kw}
+    method = values.get("method") or ""
+    return owned_section("peft", settings_class(str(method)), values, kind="peft method", name=str(method),
+                         owners={n: m.Settings for n, m in METHODS.items()}, selector="method",
+                         others="any")
+
+
+def peft_defaults() -> dict:
+    """Every method's settings at their defaults, in one mapping (a config's bottom layer: a PEFT setting given on
+    the command line is typed by it)."""
+    from ..runconfig import union_defaults
+    from . import METHODS
+
+    return union_defaults([PeftConfig, *(m.Settings for m in METHODS.values())])
 
 
 def base_dtype_for(cfg: PeftConfig, precision: str, resolved: str = "") -> str:

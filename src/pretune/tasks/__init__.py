@@ -1,14 +1,10 @@
 """Downstream tasks for finetuning (``pretune finetune --task NAME``) and their metrics.
 
-    classification  one text → label (encoders pool [CLS]/mean, decoders read the last token)
-    pair            two texts → label: BERT ``[CLS] a [SEP] b [SEP]`` or GPT ``[START] a [DELIM] b [EXTRACT]``
-    regression      one text or pair → real value (STS-B), mean squared error
-    tagging         one label per word (POS, NER with BIO), on each word's first subword
-    qa              extractive QA: start/end logits, sliding window over long contexts, SQuAD 2.0 no-answer
-    seq2seq         text-to-text with a task prefix, for encoder-decoders and decoders; greedy generation
-    sft             instruction / chat finetuning of decoders: prompt → completion, chats, documents (TRL's SFT)
-    choice          classification by the LM's likelihood of each label's answer text (T-Few losses)
-    multilabel      one text → a set of labels (a sigmoid each, binary cross-entropy)
+``TASKS`` is the registry (name -> Task class; ``pretune.catalog.TASKS`` holds each one's line of help, and
+``pretune finetune --help`` lists them); each task owns its settings (``.Settings``, the ``task:`` section of a
+finetuning config beyond ``TaskConfig``'s shared fields). ``task_settings(values)`` builds and checks that section;
+``build_task(settings, model_cfg, tokenizer)`` makes the task. A new task is one module (the class with its
+Settings) plus one line below and its line in the catalog.
 """
 
 from __future__ import annotations
@@ -28,10 +24,41 @@ TASK_METRICS: dict[str, list[str]] = {name: list(cls.metrics) for name, cls in T
 DEFAULT_METRIC: dict[str, str] = {name: cls.default_metric for name, cls in TASKS.items()}  # model selection
 
 
+def settings_class(name: str) -> type[TaskConfig]:
+    """The Settings dataclass of task ``name``; a name not in TASKS is a ConfigError naming the nearest."""
+    if name not in TASKS:
+        from ..config import ConfigError, _did_you_mean
+
+        close = _did_you_mean(str(name), list(TASKS))
+        raise ConfigError(f"task.name={name!r}: expected one of {', '.join(TASKS)}"
+                          f"{close if 'did you mean' in close else ''}")
+    return TASKS[name].Settings
+
+
+def task_settings(values: dict | None = None, **kw) -> TaskConfig:
+    """The typed, checked ``task`` section: ``values`` (and keyword overrides) with ``name`` picking the task. Keys
+    of other tasks are left out (a sweep may share them across tasks; a task.json or run.yaml written before the
+    settings were split lists every key); a key no task has is an error naming the nearest."""
+    from ..runconfig import owned_section
+
+    values = {**(values or {}), **kw}
+    name = values.get("name", TaskConfig.name)
+    return owned_section("task", settings_class(name), values, kind="task", name=name,
+                         owners={n: c.Settings for n, c in TASKS.items()}, others="any")
+
+
+def task_defaults() -> dict:
+    """Every task's settings at their defaults, in one mapping (a config's bottom layer: a task setting given on
+    the command line is typed by it)."""
+    from ..runconfig import union_defaults
+
+    return union_defaults(c.Settings for c in TASKS.values())
+
+
 def build_task(cfg: TaskConfig, model_cfg, tokenizer) -> Task:
     """The task named by ``cfg.name`` for a model whose config carries the task's head (and label map)."""
     return TASKS[cfg.name](cfg, model_cfg, tokenizer)
 
 
 __all__ = ["TASKS", "TASK_METRICS", "DEFAULT_METRIC", "Task", "TaskConfig", "Record", "Layout", "read_records",
-           "build_task"]
+           "build_task", "task_settings", "task_defaults", "settings_class"]

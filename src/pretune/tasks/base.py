@@ -9,8 +9,8 @@ per record, which ``tasks.metrics`` scores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -20,49 +20,48 @@ from ..data.records import Record, read_records  # re-exported: tasks read their
 from ..data.records import get_field as _get_field
 from ..model.layout import layout_of
 from ..objectives.base import IGNORE, Objective
+from ..runconfig import Owned
 
 __all__ = ["Task", "TaskConfig", "Layout", "Record", "read_records", "get_field", "IGNORE"]
 
 
 
 @dataclass
-class TaskConfig:
-    """What the data looks like and how it becomes model inputs; each task reads the fields it needs."""
+class TaskConfig(metaclass=Owned):
+    """A task's section of a finetuning config (``task: {name: ..., ...}``): the settings every task has. Each task
+    owns a subclass with its own (``Task.Settings``: its data fields and knobs, each with a one-line comment, checked
+    in ``validate``). ``TaskConfig(name="qa", stride=64)`` is the qa task's settings; ``pretune.tasks.task_settings``
+    builds them from a mapping, checked (unknown keys name the nearest; another task's keys are left out)."""
 
     name: str = "classification"  # the downstream task: a name of pretune.tasks.TASKS (see `pretune finetune --help`)
-    text_field: str = "text"  # classification / regression: the input text
-    text_a_field: str = "text_a"  # pair (and pair regression): first sentence
-    text_b_field: str = "text_b"  # pair: second sentence; regression uses it when the record has it
-    label_field: str = "label"  # class name (or number) / real value
-    tokens_field: str = "tokens"  # tagging: list of words
-    tags_field: str = "tags"  # tagging: list of tags, one per word (BIO for NER)
-    context_field: str = "context"  # qa: the passage
-    question_field: str = "question"  # qa: the question
-    answers_field: str = "answers"  # qa: {"text": [...], "answer_start": [...]} (SQuAD) or a list of strings
-    source_field: str = "source"  # seq2seq: input text
-    target_field: str = "target"  # seq2seq: output text
-    labels: list[str] = field(default_factory=list)  # the label set in id order; empty: read from the training data
     max_len: int = 128  # tokens per input, special tokens included (qa: per window)
-    pooling: str = ""  # classification/regression sentence vector: pooler, cls, mean, last; empty: by family
-    pair_style: Literal["auto", "bert", "gpt"] = "auto"  # auto: bert for encoders, gpt for decoders
-    stride: int = 32  # qa: context tokens shared by consecutive windows of a long context
-    max_answer_len: int = 30  # qa: longest answer span in tokens
-    null_threshold: float = 0.0  # qa: answer "" when best span score < null score + threshold (SQuAD 2.0)
-    threshold: float = 0.5  # multilabel: a label is predicted when its probability exceeds this
-    prefix: str = ""  # seq2seq: task prefix put before the source ("sst2 sentence: ")
-    max_target_len: int = 32  # seq2seq: target tokens (training truncation and generation length)
     metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
-    choices: list[str] = field(default_factory=list)  # choice: answer text per label, in label order; empty: labels
-    choice_loss: str = "tfew"  # choice: tfew (L_LM + L_UL + L_LN, Liu et al. 2022) or lm (L_LM only)
-    prompt_field: str = "prompt"  # sft: the prompt (a string, or a list of messages)
-    completion_field: str = "completion"  # sft: what the model learns to write after the prompt
-    messages_field: str = "messages"  # sft: a conversation [{"role", "content"}, ...]; loss on assistant turns
-    prompt_template: str = ""  # sft: the prompt from the record's fields ("Classify: {text}\nAnswer:"); empty: prompt
-    chat: bool = False  # sft: prompt/completion strings become a user and an assistant turn of the chat template
-    system: str = ""  # sft: a system message put before each conversation that has none
-    assistant_turns: Literal["all", "last"] = "all"  # sft chats: learn every assistant turn, or the last one only
-    layout: Literal["auto", "causal", "prefix_lm"] = "auto"  # seq2seq/choice on a decoder-only model: how source
-    # and target share its sequence; auto: as the model was pretrained (ModelConfig.decoder_layout, model/layout.py)
+
+    SELECTOR = "name"  # TaskConfig(name=X, ...) is task X's settings (runconfig.Owned)
+
+    @classmethod
+    def settings_for(cls, name: str) -> type[TaskConfig]:
+        from . import settings_class
+
+        return settings_class(name)
+
+    @classmethod
+    def all_keys(cls) -> set[str]:
+        from . import task_defaults
+
+        return set(task_defaults())
+
+    @classmethod
+    def from_values(cls, values: dict) -> TaskConfig:
+        """``runconfig.section("task", TaskConfig, values)``: the named task's settings, checked."""
+        from . import task_settings
+
+        return task_settings(values)
+
+    def validate(self) -> None:
+        """Check the values (each rule once, here or in the subclass); raise ConfigError naming the key."""
+        if self.max_len < 8:
+            raise ConfigError(f"task.max_len={self.max_len} is too short (at least 8 tokens)")
 
 
 def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, what: str = "") -> Any:
@@ -73,16 +72,17 @@ def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, wh
 
 
 def _field_key(name: str) -> str:
-    """The TaskConfig key whose default is ``name`` (text -> text_field), else the generic form."""
-    from dataclasses import fields
+    """The task setting whose default is ``name`` (text -> text_field), else the generic form."""
+    from . import task_defaults
 
-    keys = [f.name for f in fields(TaskConfig) if f.name.endswith("_field") and f.default == name]
+    keys = [k for k, v in task_defaults().items() if k.endswith("_field") and v == name]
     return keys[0] if keys else "<x>_field"
 
 
 class Task(Objective):
-    """Base of the downstream tasks. Subclasses set ``name``, ``model_head`` and the hooks below."""
+    """Base of the downstream tasks. Subclasses set ``name``, ``model_head``, ``Settings`` and the hooks below."""
 
+    Settings: ClassVar[type[TaskConfig]] = TaskConfig  # this task's config section: TaskConfig's fields and its own
     corrupts = False  # no random corruption: the same feature every epoch
     archs = ("encoder", "decoder", "encoder-decoder")
     model_head: ClassVar[str]  # ModelConfig.head the task trains
@@ -119,8 +119,6 @@ class Task(Objective):
             out.update(num_labels=1, labels=None)
         elif cls.model_head == "qa":
             out.update(num_labels=2, labels=None)
-        if cls.model_head in ("classification", "regression") and cfg.pooling:
-            out["pooling"] = cfg.pooling
         return out
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:

@@ -18,16 +18,34 @@ or L_LM alone (``task.choice_loss=lm``). Pairs well with ``--peft ia3`` (the T-F
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Literal
+
 import numpy as np
 import torch
 
 from ..config import ConfigError
 from ..model.layout import IGNORE, layout_of
-from .base import Record, Task, get_field
+from .base import Record, Task, TaskConfig, get_field
 from .classify import Classification, _label_str
 
 
+@dataclass
+class ChoiceSettings(TaskConfig):
+    """choice: a text, its label, and each label's answer text."""
+
+    text_field: str = "text"  # the input text
+    label_field: str = "label"  # the label (its answer text is scored)
+    labels: list[str] = field(default_factory=list)  # the label set in id order; empty: read from the training data
+    choices: list[str] = field(default_factory=list)  # answer text per label, in label order; empty: the labels
+    choice_loss: str = "tfew"  # tfew (L_LM + L_UL + L_LN, Liu et al. 2022) or lm (L_LM only)
+    prefix: str = ""  # put before the text ("Review: ")
+    layout: Literal["auto", "causal", "prefix_lm"] = "auto"  # on a decoder-only model: how text and answer share
+    # its sequence; auto: as the model was pretrained (ModelConfig.decoder_layout, model/layout.py)
+
+
 class Choice(Task):
+    Settings = ChoiceSettings
     name = "choice"
     model_head = "lm"
     metrics = ("accuracy", "macro_f1", "micro_f1", "mcc")

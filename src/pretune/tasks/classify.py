@@ -2,11 +2,57 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Literal
+
 import numpy as np
 from torch import nn
 
+from ..config import ConfigError
 from ..data.readers import DataError
 from .base import Layout, Record, Task, TaskConfig, get_field
+
+POOLINGS = ("pooler", "cls", "mean", "last")
+
+
+@dataclass
+class SentenceSettings(TaskConfig):
+    """What the sentence tasks share: the label's field and how the head reads the sequence."""
+
+    label_field: str = "label"  # class name (or number) / real value
+    pooling: str = ""  # the sentence vector the head reads: pooler, cls, mean, last; empty: by family
+
+    def validate(self) -> None:
+        super().validate()
+        if self.pooling and self.pooling not in POOLINGS:
+            raise ConfigError(f"task.pooling={self.pooling!r} is not one of {', '.join(POOLINGS)}")
+
+
+@dataclass
+class ClassificationSettings(SentenceSettings):
+    """classification (and multilabel): one text."""
+
+    text_field: str = "text"  # the input text
+    labels: list[str] = field(default_factory=list)  # the label set in id order; empty: read from the training data
+
+
+@dataclass
+class PairSettings(SentenceSettings):
+    """pair: two texts, in BERT's or GPT's input format."""
+
+    text_a_field: str = "text_a"  # first sentence
+    text_b_field: str = "text_b"  # second sentence
+    labels: list[str] = field(default_factory=list)  # the label set in id order; empty: read from the training data
+    pair_style: Literal["auto", "bert", "gpt"] = "auto"  # auto: bert for encoders, gpt for decoders
+
+
+@dataclass
+class RegressionSettings(SentenceSettings):
+    """regression: one text, or a pair when the record has text_a_field (and not text_field)."""
+
+    text_field: str = "text"  # the input text
+    text_a_field: str = "text_a"  # first sentence of a pair
+    text_b_field: str = "text_b"  # second sentence of a pair
 
 
 def _label_str(value) -> str:
@@ -39,6 +85,7 @@ def _number(rec: Record, field: str) -> float:
 class Classification(Task):
     """One text → one of N labels; the head reads the pooled sequence (see ModelConfig.pooling)."""
 
+    Settings = ClassificationSettings
     name = "classification"
     model_head = "classification"
     metrics = ("accuracy", "macro_f1", "micro_f1", "mcc")
@@ -46,7 +93,7 @@ class Classification(Task):
     has_labels = True
     pair = False
 
-    def __init__(self, cfg: TaskConfig, model_cfg, tokenizer):
+    def __init__(self, cfg: SentenceSettings, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
         self.layout = Layout(tokenizer, model_cfg, cfg.pair_style if self.pair else "auto")
 
@@ -54,6 +101,13 @@ class Classification(Task):
         if self.pair:
             return get_field(rec, self.cfg.text_a_field), get_field(rec, self.cfg.text_b_field)
         return get_field(rec, self.cfg.text_field), None
+
+    @classmethod
+    def head_config(cls, cfg: SentenceSettings, labels: list[str]) -> dict:
+        out = super().head_config(cfg, labels)
+        if cfg.pooling:
+            out["pooling"] = cfg.pooling
+        return out
 
     @classmethod
     def label_set(cls, cfg: TaskConfig, records: list[Record]) -> list[str]:
@@ -123,6 +177,7 @@ class Classification(Task):
 class Pair(Classification):
     """Two texts → a label (NLI, paraphrase, "does gloss B define word A?"): BERT or GPT input format."""
 
+    Settings = PairSettings
     name = "pair"
     pair = True
 
@@ -130,6 +185,7 @@ class Pair(Classification):
 class Regression(Classification):
     """One text (or a pair) → one real value (STS-B); mean squared error."""
 
+    Settings = RegressionSettings
     name = "regression"
     model_head = "regression"
     metrics = ("pearson", "spearman", "mse")

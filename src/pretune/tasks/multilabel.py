@@ -11,17 +11,34 @@ from Hugging Face. A label is predicted when its probability exceeds ``task.thre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from torch import nn
 
+from ..config import ConfigError
 from ..data.readers import DataError
 from .base import Record, get_field
-from .classify import Classification, _label_order, _label_str
+from .classify import Classification, ClassificationSettings, _label_order, _label_str
+
+
+@dataclass
+class MultilabelSettings(ClassificationSettings):
+    """multilabel: classification's settings and the probability a label must exceed."""
+
+    threshold: float = 0.5  # a label is predicted when its probability exceeds this
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 < self.threshold < 1:
+            raise ConfigError(f"task.threshold={self.threshold}: expected a probability strictly between 0 and 1 "
+                              "(multilabel predicts each label whose probability exceeds it)")
 
 
 class Multilabel(Classification):
     """Differs from classification: a set of labels per text, a sigmoid per label, binary cross-entropy."""
 
+    Settings = MultilabelSettings
     name = "multilabel"
     model_head = "classification"
     metrics = ("micro_f1", "macro_f1", "subset_accuracy")

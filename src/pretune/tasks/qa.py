@@ -8,6 +8,8 @@ question has no answer in the context (SQuAD 2.0). Long contexts are cut into ov
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from torch import nn
 
@@ -15,12 +17,31 @@ from ..config import ConfigError
 from ..data.readers import DataError
 from ..model.layout import layout_of
 from . import qa_spans
-from .base import Record, Task, get_field
+from .base import Record, Task, TaskConfig, get_field
 
 _META = ("offsets", "window", "record")
 
 
+@dataclass
+class QASettings(TaskConfig):
+    """qa: the passage, the question, the answers, and how long contexts are windowed."""
+
+    context_field: str = "context"  # the passage
+    question_field: str = "question"  # the question
+    answers_field: str = "answers"  # {"text": [...], "answer_start": [...]} (SQuAD) or a list of strings
+    stride: int = 32  # context tokens shared by consecutive windows of a long context
+    max_answer_len: int = 30  # longest answer span in tokens
+    null_threshold: float = 0.0  # answer "" when best span score < null score + threshold (SQuAD 2.0)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.stride < 0 or self.max_answer_len < 1:
+            raise ConfigError(f"task.stride ({self.stride}) must be >= 0 and task.max_answer_len "
+                              f"({self.max_answer_len}) >= 1")
+
+
 class QA(Task):
+    Settings = QASettings
     name = "qa"
     model_head = "qa"
     metrics = ("exact_match", "f1")

@@ -10,6 +10,9 @@ the label word is this task with the label as the target (``task.target_field=la
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 import torch
 
@@ -17,10 +20,34 @@ from ..config import ConfigError
 from ..generation.decode import generate
 from ..model.layout import IGNORE, layout_of
 from ..objectives.lm import lm_loss_sum
-from .base import Record, Task, get_field
+from .base import Record, Task, TaskConfig, get_field
+
+
+@dataclass
+class GenerationSettings(TaskConfig):
+    """What the tasks that write text (seq2seq, sft) share: the target's length and the decoder's layout."""
+
+    max_target_len: int = 32  # target tokens (training truncation and generation length)
+    layout: Literal["auto", "causal", "prefix_lm"] = "auto"  # on a decoder-only model: how source and target share
+    # its sequence; auto: as the model was pretrained (ModelConfig.decoder_layout, model/layout.py)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_target_len < 2:
+            raise ConfigError(f"task.max_target_len={self.max_target_len} must be >= 2 (a token and EOS)")
+
+
+@dataclass
+class Seq2SeqSettings(GenerationSettings):
+    """seq2seq: a source text, a target text, a task prefix."""
+
+    source_field: str = "source"  # input text
+    target_field: str = "target"  # output text
+    prefix: str = ""  # task prefix put before the source ("sst2 sentence: ")
 
 
 class Seq2Seq(Task):
+    Settings = Seq2SeqSettings
     name = "seq2seq"
     model_head = "lm"
     metrics = ("exact_match_text", "rouge_l", "bleu")  # + perplexity of the targets (inference.evaluate_task)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import string
 from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ from ..generation.prompt import ChatTemplate, PromptError, apply_chat_template
 from ..generation.scoring import lead_ids
 from ..model.layout import IGNORE
 from .base import Record, get_field
-from .seq2seq import Seq2Seq
+from .seq2seq import GenerationSettings, Seq2Seq
 
 # For a tokenizer with no chat template of its own: "User: ...\nAssistant: ...<eos>\n" (the generation prompt is
 # "Assistant:"; the reply's leading space belongs to the reply).
@@ -55,7 +57,22 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoft
 LABEL_WORDS_MAX = 20  # completions are label words when the references take at most this many short values
 
 
+@dataclass
+class SFTSettings(GenerationSettings):
+    """sft: the record's fields (prompt and completion, messages, or text) and how a chat is rendered."""
+
+    prompt_field: str = "prompt"  # the prompt (a string, or a list of messages)
+    completion_field: str = "completion"  # what the model learns to write after the prompt
+    messages_field: str = "messages"  # a conversation [{"role", "content"}, ...]; loss on assistant turns
+    text_field: str = "text"  # a document: loss on every token
+    prompt_template: str = ""  # the prompt from the record's fields ("Classify: {text}\nAnswer:"); empty: prompt
+    chat: bool = False  # prompt/completion strings become a user and an assistant turn of the chat template
+    system: str = ""  # a system message put before each conversation that has none
+    assistant_turns: Literal["all", "last"] = "all"  # chats: learn every assistant turn, or the last one only
+
+
 class SFT(Seq2Seq):
+    Settings = SFTSettings
     name = "sft"
     archs = ("decoder",)
     why = "instruction finetuning trains a decoder-only language model to continue a prompt;"

@@ -11,15 +11,27 @@ without it "said" would be spelled in the pieces of a word's middle (``s a id``)
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from torch import nn
 
 from ..data.readers import DataError
 from ..objectives.base import IGNORE
-from .base import Layout, Record, Task, get_field
+from .base import Layout, Record, Task, TaskConfig, get_field
+
+
+@dataclass
+class TaggingSettings(TaskConfig):
+    """tagging: the words and their tags."""
+
+    tokens_field: str = "tokens"  # list of words
+    tags_field: str = "tags"  # list of tags, one per word (BIO for NER)
+    labels: list[str] = field(default_factory=list)  # the tag set in id order; empty: read from the training data
 
 
 class Tagging(Task):
+    Settings = TaggingSettings
     name = "tagging"
     model_head = "tagging"
     metrics = ("entity_f1", "tag_accuracy")

@@ -5,16 +5,26 @@ the adapted model starts equal to the base. The adapter wraps each branch's outp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..config import PeftConfig
 from ..core import PeftError, blocks, unwrap_all
 from ..layers import Bottleneck, BranchAdapter
 
 NAME = "adapter"
-HELP = "Houlsby bottleneck (down, nonlinearity, up, residual) after attention and after the FFN"
 PARTS = ("adapters",)
 MERGEABLE = False  # adds computation
 DEFAULT_LR = 1e-3  # peak learning rate when train.lr is not set (Houlsby et al. 2019 search 3e-5..3e-3)
 BRANCHES = ("attn_drop", "ffn_drop")  # the branch outputs an adapter wraps
 ACTIVATIONS = ("relu", "gelu", "swish", "tanh")
+
+
+@dataclass
+class Settings(PeftConfig):
+    """Houlsby adapters' settings (peft.*)."""
+
+    reduction_factor: int = 16  # bottleneck width = dim / reduction_factor
+    adapter_act: str = "relu"  # nonlinearity: relu, gelu, swish, tanh
 
 
 def validate(cfg) -> None:

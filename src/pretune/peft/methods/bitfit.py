@@ -4,13 +4,20 @@ T5 or Llama)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..config import PeftConfig
 from ..core import PeftError, bias_names, own
 
 NAME = "bitfit"
-HELP = "train only the bias terms (+ the task head) (Ben Zaken et al. 2021)"
 PARTS = ()
 MERGEABLE = True  # the trained biases are the model's own
 DEFAULT_LR = 1e-3  # peak learning rate when train.lr is not set (Ben Zaken et al. 2021 search 1e-4..1e-3)
+
+
+@dataclass
+class Settings(PeftConfig):
+    """BitFit has no settings of its own."""
 
 
 def validate(cfg) -> None:

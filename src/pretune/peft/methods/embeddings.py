@@ -3,15 +3,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
+from ..config import PeftConfig
 from ..core import base_parameters, own
 
 NAME = "embeddings"
-HELP = "train the token embedding matrix only (language adaptation)"
 PARTS = ()
 MERGEABLE = True  # the trained matrix is the model's own
 DEFAULT_LR = 1e-4  # when train.lr is not set (the whole matrix moves, as in full finetuning)
+
+
+@dataclass
+class Settings(PeftConfig):
+    """Embeddings-only training's settings (peft.*)."""
+
+    embed_positions: bool = False  # also train a learned position table
 
 
 def validate(cfg) -> None:

@@ -4,17 +4,26 @@ l starts at 1, so the adapted model starts equal to the base."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from ..config import PeftConfig
 from ..core import PeftError, find_targets, unwrap_all, wrap
 from ..layers import PeftLinear
 
 NAME = "ia3"
-HELP = "learned vectors rescaling keys, values and the FFN inner activation (Liu et al. 2022, T-Few)"
 PARTS = ("ia3",)
 MERGEABLE = True  # folds into the rows / columns of W
 DEFAULT_LR = 1e-2  # when train.lr is not set (T-Few's 3e-3 (Liu et al. 2022) is for 1000 steps; in 3 epochs of a
 # small set it moves too little: BENCHMARKS.md, PEFT vs full)
 DEFAULT_TARGETS = ["k_proj", "v_proj", "down_proj"]
 INPUT_SIDE = ("down_proj",)  # these layers get the vector on their input (the FFN inner activation)
+
+
+@dataclass
+class Settings(PeftConfig):
+    """(IA)3's settings (peft.*)."""
+
+    ia3_targets: list = field(default_factory=list)  # module patterns; empty: keys, values, FFN inner activation
 
 
 def validate(cfg) -> None:

@@ -7,18 +7,34 @@ trained biases are saved with the adapter (peft's adapter_config.json records th
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from ..config import PeftConfig
 from ..core import PeftError, bias_names, find_targets, own, unwrap_all, wrap
 from ..layers import PeftLinear
 
 NAME = "lora"
-HELP = "low-rank update W0 + (alpha/r) B A of the target linear layers (Hu et al. 2021)"
 PARTS = ("lora_A", "lora_B", "lora_magnitude")
 MERGEABLE = True  # folds into W0 (merge / peft merge)
 DEFAULT_LR = 1e-3  # when train.lr is not set (Hu et al. 2021: 2e-4..5e-4 for RoBERTa-base; small models: more)
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
 BIAS = ("none", "all", "lora_only")
+
+
+@dataclass
+class Settings(PeftConfig):
+    """LoRA's settings (peft.*)."""
+
+    targets: list = field(default_factory=list)  # module patterns (leaf name, dotted suffix or regex), or
+    # ["all-linear"]: every linear layer of the body (peft's "all-linear": not the output head); empty: q_proj, v_proj
+    r: int = 8  # rank
+    alpha: float = 16.0  # scaling alpha / r
+    dora: bool = False  # weight-decomposed (DoRA, Liu et al. 2024): a trained magnitude per row (peft's use_dora)
+    rslora: bool = False  # scale by alpha / sqrt(r) (rank-stabilised LoRA, Kalajdzievski 2023; peft's use_rslora)
+    dropout: float = 0.0  # dropout on the input of A
+    bias: str = "none"  # biases trained with the adapter: none, all (every bias of the body), lora_only
 
 
 def validate(cfg) -> None:

@@ -4,14 +4,24 @@ the paper's reparametrisation for stable training)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..config import PeftConfig
 from ..core import PeftError, module_dict, self_attentions
 from ..layers import PREFIX_DICT, PrefixEncoder, PrefixSite
 
 NAME = "prefix"
-HELP = "trainable key/value prefixes at every self-attention layer (Li & Liang 2021)"
 PARTS = (PREFIX_DICT,)
 MERGEABLE = False  # adds key/value columns
 DEFAULT_LR = 1e-2  # when train.lr is not set (prefixes learn slowly from a small init; P-tuning v2: 5e-3..1e-2)
+
+
+@dataclass
+class Settings(PeftConfig):
+    """Prefix tuning's settings (peft.*)."""
+
+    n_virtual: int = 20  # virtual tokens: key/value prefix positions at every self-attention layer
+    prefix_projection: int = 0  # hidden width of the reparametrisation MLP (0: train the prefixes directly)
 
 
 def validate(cfg) -> None:

@@ -4,16 +4,26 @@ or at random."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..config import PeftConfig
 from ..core import PeftError, module_dict
 from ..layers import PROMPT_DICT, PromptSite, SoftPrompt
 
 NAME = "prompt"
-HELP = "a soft prompt of n_virtual trainable embeddings prepended to the input (Lester et al. 2021)"
 PARTS = (PROMPT_DICT,)
 MERGEABLE = False  # adds input positions
 DEFAULT_LR = 3e-2  # when train.lr is not set (Lester et al. 2021: 0.3 with Adafactor; AdamW needs less)
+
+
+@dataclass
+class Settings(PeftConfig):
+    """Prompt tuning's settings (peft.*)."""
+
+    n_virtual: int = 20  # virtual tokens: trainable embeddings put before the input
+    prompt_init: str = "vocab"  # vocab (rows of random vocabulary embeddings), random, or text:WORDS
 
 
 def validate(cfg) -> None:
