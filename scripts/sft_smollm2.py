@@ -49,8 +49,8 @@ def zero_shot(folder: Path, files: dict[str, Path]) -> dict:
     import transformers
 
     from pretune.finetune import load_finetune_config, prepare
-    from pretune.inference import evaluate_task
     from pretune.tasks.metrics import compute
+    from pretune.tasks.run import evaluate_task
 
     cfg = load_finetune_config(None, overrides(files, **{"model.init": folder, "train.out": "/nonexistent",
                                                         "train.batch_size": 8}))

@@ -120,7 +120,7 @@ def test_continue_pretraining_a_checkpoint_without_its_head(tmp_path, small_corp
     from pretune.tokenization import Tokenizer
 
     tok = Tokenizer.load(tokenizers_by_kind["wordpiece"])
-    body = pretune.build_model("tiny-bert-base", head="none", vocab_size=tok.vocab_size, max_seq_len=64)
+    body = pretune.build_model("tiny-bert-base", head="none", vocab_size=tok.vocab_size, max_seq_len=128)
     pretune.save(body, tmp_path / "ckpt")
     cfg = _run(tmp_path, "mlm", "tiny-bert-base", tokenizers_by_kind["wordpiece"], ["data.block_size=40"],
                base={"model": {"init": str(tmp_path / "ckpt")}})

@@ -24,6 +24,7 @@ from .config import ConfigError, ModelConfig
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TOKENIZER_NAME = "tokenizer.json"
+TASK_FILE = "task.json"  # a finetuned model's task settings: how its records become inputs (tasks.run.save_task)
 
 
 class CheckpointError(ValueError):

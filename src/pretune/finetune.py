@@ -10,7 +10,7 @@ checkpoints, DDP) with keep-best and early stopping as callbacks → :func:`expo
 dev/test scores, predictions). How the run trains — all of the model, only the head, or an adapter — is decided
 once (:func:`method_for`). The finetuned model is an ordinary checkpoint (config.json with the head and label
 map, model.safetensors, tokenizer.json) plus ``task.json`` (how records become inputs), or an adapter folder;
-evaluating and predicting with it is :mod:`pretune.inference`.
+evaluating and predicting with it is :mod:`pretune.inference`; both run the task through :mod:`pretune.tasks.run`.
 """
 
 from __future__ import annotations
@@ -27,27 +27,27 @@ import numpy as np
 import torch
 
 from .config import TASK_HEADS, ConfigError
-from .inference import (  # re-exported: finetune's public API before inference.py existed
-    encode_records,
-    evaluate,
-    evaluate_task,
-    format_scores,
-    load_finetuned,
-    predict,
-    read_split,
-    run_outputs,
-    save_task,
-    write_predictions,
-)
+from .inference import evaluate, load_finetuned, predict  # re-exported: finetune's API before inference.py
 from .loading import TASK_FILE
 from .peft.config import PeftConfig, base_dtype_for
 from .runconfig import TrainConfig, check_batch, check_train, merge_layers, section
 from .tasks.base import Record, TaskConfig
+from .tasks.run import (
+    encode_records,
+    evaluate_task,
+    format_scores,
+    read_splits,
+    run_outputs,
+    save_task,
+    subsample,
+    task_json,
+    write_predictions,
+)
 from .train.precision import describe_device, resolve_precision
 
 __all__ = ["FinetuneConfig", "FinetuneData", "TuneConfig", "FinetuneResult", "Prepared", "load_finetune_config",
-           "prepare", "finetune", "export", "method_for", "evaluate", "predict", "load_finetuned", "encode_records",
-           "run_outputs", "evaluate_task", "TASK_FILE"]
+           "prepare", "resolved_yaml", "finetune", "export", "method_for", "evaluate", "predict", "load_finetuned",
+           "encode_records", "run_outputs", "evaluate_task", "subsample", "TASK_FILE"]
 
 
 @dataclass
@@ -240,7 +240,7 @@ class AdapterMethod:
         from . import peft
 
         peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok,
-                          extra_files={TASK_FILE: json.dumps(dataclasses.asdict(cfg.task), indent=2) + "\n"})
+                          extra_files={TASK_FILE: task_json(cfg.task)})
         sizes = {"adapter_bytes": peft.adapter_size(model_dir),  # the full model as saved: fp32 (a bf16 base widened)
                  "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.base_state(model).values())
                  + self.base_bytes_saved}
@@ -274,92 +274,20 @@ class Prepared:
     derived: dict[str, str] = field(default_factory=dict)  # config key -> how its value was derived
 
 
-def _split_dev(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
-    rng = np.random.default_rng(seed)
-    idx = rng.permutation(len(records))
-    n_dev = max(1, round(len(records) * fraction))
-    dev = set(idx[:n_dev].tolist())
-    return [r for i, r in enumerate(records) if i not in dev], [r for i, r in enumerate(records) if i in dev]
-
-
-def subsample(records: list[Record], n: int, seed: int) -> list[Record]:
-    """A seeded random ``n`` of ``records``, in their file order (``n`` 0 or at least ``len(records)``: all).
-    The draw is the first ``n`` of one permutation fixed by ``seed``, so a larger ``n`` with the same seed keeps
-    every record of a smaller one (nested subsamples make learning curves comparable)."""
-    if not n or n >= len(records):
-        return records
-    keep = np.sort(np.random.default_rng(seed).permutation(len(records))[:n])
-    return [records[i] for i in keep]
-
-
-def build_model_for_task(cfg: FinetuneConfig, task_cls, labels: list[str], *, log=print):
-    """(model, tokenizer) with the task head: from model.init (pretrained or --from-scratch) or a preset."""
-    from .loading import load_pretrained
-    from .model import TransformerLM
-    from .tokenization import Tokenizer
-
-    head_cfg = task_cls.head_config(cfg.task, labels)
-    init = cfg.model.get("init")
-    torch.manual_seed(cfg.train.seed)
-    if init:
-        loaded = load_pretrained(init, tokenizer=cfg.tokenizer or None, merge=True)  # an adapter: folded in
-        model, tok = loaded.model, loaded.tokenizer
-        extra = {k: v for k, v in cfg.model.items() if k != "init"}
-        if model.config.head in ("classification", "tagging") and head_cfg["head"] == model.config.head:
-            head_cfg.update(num_labels=model.config.num_labels, labels=model.config.labels)  # keep its label map
-        if cfg.tune.from_scratch:
-            model = TransformerLM(model.config.replace(**extra))  # same architecture, random weights
-            log(f"from scratch: {init}'s architecture with random weights")
-        elif extra:
-            model = _rebuilt(model, extra)
-        model = model.with_head(**head_cfg)
-    else:
-        if not cfg.model.get("preset"):
-            raise ConfigError("no model: set model.init=CHECKPOINT (a pretune or Hugging Face folder) or "
-                              "model.preset=NAME with tokenizer=PATH to train from scratch")
-        if not cfg.tokenizer:
-            raise ConfigError("model.preset trains from scratch and needs tokenizer=PATH")
-        tok = Tokenizer.load(cfg.tokenizer)
-        from .runconfig import RunConfig
-
-        extra = {"pad_token_id": tok.pad_id if tok.pad_id is not None else 0}
-        if tok.pad_id is not None:
-            extra["decoder_start_token_id"] = tok.pad_id
-        extra = {k: v for k, v in extra.items() if k not in cfg.model}
-        model = TransformerLM(RunConfig(model=dict(cfg.model)).model_config(vocab_size=tok.vocab_size,
-                                                                            **extra, **head_cfg))
-    if model.config.vocab_size < tok.vocab_size:
-        raise ConfigError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
-                          f"({tok.vocab_size} tokens): use the checkpoint's own tokenizer")
-    return model, tok
-
-
-def _rebuilt(model, extra: dict):
-    """The model with config overrides that do not change weight shapes (e.g. dropout)."""
-    from .checkpoint import load_state, unique_state
-    from .model import TransformerLM
-
-    new = TransformerLM(model.config.replace(**extra))
-    load_state(new, unique_state(model), source="model.init with overrides")
-    return new
-
-
 def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Prepared:
     """Read and split the data, build the model with the task's head, set up the method (freezing, adapters),
     encode every split and resolve what the config leaves to be derived (steps from epochs, warmup, evaluation
     interval, learning rate, a batch larger than the data); ``Prepared.derived`` says how."""
+    from .loading import build_run_model
     from .tasks import TASKS
 
     if not cfg.data.train:
         raise ConfigError("no training data: set data.train=FILE (JSONL, CSV/TSV or Parquet)")
     task_cls = TASKS[cfg.task.name]
     method = method_for(cfg)
-    train_recs = read_split(cfg.data.train, "training", cfg.data.errors)
-    if cfg.data.dev:
-        dev_recs = read_split(cfg.data.dev, "dev", cfg.data.errors)
-    else:
-        train_recs, dev_recs = _split_dev(train_recs, cfg.data.dev_fraction, cfg.train.seed)
-    test_recs = read_split(cfg.data.test, "test", cfg.data.errors) if cfg.data.test else []
+    recs = read_splits(cfg.data.train, cfg.data.dev, cfg.data.test, dev_fraction=cfg.data.dev_fraction,
+                       seed=cfg.train.seed, errors=cfg.data.errors)
+    train_recs, dev_recs, test_recs = recs["train"], recs["dev"], recs["test"]
     derived: dict[str, str] = {}
     if cfg.data.train_limit:
         n_all = len(train_recs)
@@ -373,7 +301,8 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
     if task_cls.labels_in_task and not cfg.task.labels:
         cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, labels=list(labels)))
         derived["task.labels"] = "read from the training and dev data"
-    model, tok = build_model_for_task(cfg, task_cls, labels, log=log)
+    model, tok = build_run_model(cfg.model, tokenizer=cfg.tokenizer, head=task_cls.head_config(cfg.task, labels),
+                                 from_scratch=cfg.tune.from_scratch, seed=cfg.train.seed, log=log)
     room = method.room(cfg, model.config)
     if cfg.task.max_len > room:
         log(f"task.max_len {cfg.task.max_len} -> {room}: the other positions go to the soft prompt")
@@ -414,6 +343,28 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
     return Prepared(cfg=cfg, model=model, tokenizer=tok, task=task, method=method,
                     records={"train": train_recs, "dev": dev_recs, "test": test_recs}, features=feats,
                     metric=metric, derived=derived)
+
+
+def resolved_yaml(cfg: FinetuneConfig) -> str:
+    """The config a finetuning run would use, as YAML: the data is read and the model built (nothing is
+    trained or written), so the values derived from them appear, each marked with how it was derived."""
+    from omegaconf import OmegaConf
+
+    if not cfg.data.train or not (cfg.model.get("init") or cfg.model.get("preset")):
+        note = ("# train.steps, warmup_steps, eval_every and lr are derived from the data and the model when the run "
+                "starts:\n# give data.train and model.init (or model.preset) to see the values it will use\n")
+        return note + OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
+    job = prepare(cfg, show_progress=False, log=lambda *a: None)
+    lines = OmegaConf.to_yaml(OmegaConf.create(job.cfg.to_dict())).splitlines()
+    section = ""
+    for i, line in enumerate(lines):
+        if line and not line.startswith(" "):
+            section = line.rstrip(":")
+        elif line.startswith("  ") and not line.startswith("   "):
+            key = f"{section}.{line.strip().split(':', 1)[0]}"
+            if key in job.derived:
+                lines[i] = f"{line}  # derived: {job.derived[key]}"
+    return "\n".join(lines)
 
 
 def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, task_head: bool = False

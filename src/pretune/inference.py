@@ -1,35 +1,34 @@
-"""A finetuned model at work: features, batched outputs, metrics and predictions. What finetuning's dev/test
-evaluation and ``pretune evaluate`` / ``pretune predict`` share.
+"""A finetuned model at work: ``pretune evaluate`` / ``pretune predict`` on a model folder.
 
     scores = evaluate("runs/finetune/model", "test.jsonl")            # the task's metrics
     n = predict("runs/finetune/model", "new.jsonl", "predictions.jsonl")
     model, tok, task = load_finetuned("runs/finetune/model")          # any folder the loader takes, its task.json
+
+Running a task on a model (features, batched outputs, metrics, prediction files) is :mod:`pretune.tasks.run`,
+which finetuning's dev/test evaluation shares; its names are importable from here as well.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from .config import TASK_HEADS, ConfigError
 from .loading import TASK_FILE
-from .tasks.base import Record, TaskConfig
+from .tasks.base import TaskConfig
+from .tasks.run import (  # re-exported: where they were before tasks/run.py
+    encode_records,
+    evaluate_task,
+    format_scores,
+    read_split,
+    run_outputs,
+    save_task,
+    score,
+    write_predictions,
+)
 
 __all__ = ["evaluate", "predict", "load_finetuned", "load_task_config", "save_task", "encode_records", "run_outputs",
            "score", "evaluate_task", "write_predictions", "format_scores", "read_split"]
-
-
-def save_task(path: Path, task_cfg: TaskConfig) -> None:
-    """task.json beside a saved model (recorded in the folder's marker: a later --overwrite replaces it)."""
-    from .outputs import mark
-
-    (path / TASK_FILE).write_text(json.dumps(dataclasses.asdict(task_cfg), indent=2) + "\n")
-    mark(path, [TASK_FILE])
 
 
 def load_task_config(model_dir: str | Path, overrides: dict | None = None) -> TaskConfig:
@@ -40,110 +39,6 @@ def load_task_config(model_dir: str | Path, overrides: dict | None = None) -> Ta
     data = read_task(model_dir) or {}
     data.update(overrides or {})
     return typed("task", TaskConfig, data)
-
-
-def encode_records(task, records: list[Record], *, labelled: bool = True, show_progress: bool = False,
-                   desc: str = "encode") -> list[dict]:
-    """Every record's features, each tagged with its record index (``_record``)."""
-    from tqdm.auto import tqdm
-
-    feats = []
-    for i, rec in enumerate(tqdm(records, desc=desc, unit="rec", disable=not show_progress or len(records) < 2000,
-                                 leave=False)):
-        for f in task.encode(rec, labelled=labelled):
-            f["_record"] = i
-            feats.append(f)
-    return feats
-
-
-@torch.no_grad()
-def run_outputs(task, model, features: list[dict], *, batch_size: int = 64, precision: str = "fp32",
-                show_progress: bool = False, loss_sums: dict | None = None, desc: str = "predict") -> list:
-    """Raw task outputs for every feature, batched by length (least padding), in the input order.
-    With ``loss_sums`` (a dict), also accumulates the loss-term sums and counts (for perplexity)."""
-    import contextlib
-
-    from tqdm.auto import tqdm
-
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    order = np.argsort([len(f["input_ids"]) for f in features], kind="stable")
-    out: list = [None] * len(features)
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    for chunk in tqdm(chunks, desc=desc, unit="batch", disable=not show_progress, leave=False, dynamic_ncols=True):
-        batch = task.collate([features[i] for i in chunk])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with ctx:
-            if loss_sums is not None:
-                counts = task.counts(batch)
-                _, stats = task.loss(model, batch, {k: 1.0 for k in counts})
-                for k, v in list(stats.items()) + [(f"{k}_n", float(n)) for k, n in counts.items()]:
-                    loss_sums[k] = loss_sums.get(k, 0.0) + v
-            res = task.outputs(model, batch)
-        for i, r in zip(chunk, res):
-            out[int(i)] = r
-    model.train(was_training)
-    return out
-
-
-def _sharded_outputs(task, model, features: list[dict], dist, *, loss_sums: dict | None, **kw) -> list:
-    """run_outputs over this process's share of ``features`` (every world-th), gathered from all processes into
-    the input order; ``loss_sums`` summed over them."""
-    from .train.dist import all_gather_objects
-
-    mine = list(range(dist.rank, len(features), dist.world))
-    part_sums: dict | None = {} if loss_sums is not None else None
-    outs = run_outputs(task, model, [features[i] for i in mine], loss_sums=part_sums, **kw)
-    out: list = [None] * len(features)
-    for ids, res, sums in all_gather_objects((mine, outs, part_sums), dist):
-        for i, r in zip(ids, res):
-            out[i] = r
-        for k, v in (sums or {}).items():
-            loss_sums[k] = loss_sums.get(k, 0.0) + v
-    return out
-
-
-def score(task, records: list[Record], predictions: list) -> dict:
-    """The task's metrics (``task.score``) of ``predictions`` against the records' gold."""
-    return task.score(predictions, [task.reference(r) for r in records])
-
-
-def evaluate_task(task, model, records: list[Record], *, batch_size: int = 64, precision: str = "fp32",
-                  show_progress: bool = False, features: list[dict] | None = None,
-                  desc: str = "evaluate", dist=None) -> tuple[dict, list]:
-    """(metrics, predictions) of ``model`` on labelled ``records``. ``dist`` (a DistInfo of several processes):
-    each process runs every world-th feature and the outputs are gathered in order, so every process gets the
-    metrics one process would compute."""
-    if features is None:
-        features = encode_records(task, records, labelled=True, show_progress=show_progress)
-    sums: dict | None = {} if getattr(task, "reports_perplexity", False) else None
-    if dist is not None and dist.enabled:
-        outs = _sharded_outputs(task, model, features, dist, batch_size=batch_size, precision=precision,
-                                show_progress=show_progress, loss_sums=sums, desc=desc)
-    else:
-        outs = run_outputs(task, model, features, batch_size=batch_size, precision=precision,
-                           show_progress=show_progress, loss_sums=sums, desc=desc)
-    preds = task.predict(records, features, outs)
-    metrics = score(task, records, preds)
-    if sums:
-        metrics["perplexity"] = math.exp(min(sums["lm_loss"] / max(sums["lm_n"], 1.0), 50.0))
-    return metrics, preds
-
-
-def read_split(path: str | Path, what: str, errors: str = "strict") -> list[Record]:
-    from .data.readers import DataError
-    from .tasks.base import read_records
-
-    records = read_records(path, errors=errors)
-    if not records:
-        raise DataError(f"{path}: the {what} set is empty")
-    return records
-
-
-def format_scores(split: str, metrics: dict) -> str:
-    return f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, tokenizer: str = "",
@@ -200,28 +95,3 @@ def predict(model_dir: str | Path, data: str | Path, out: str | Path, *, task_ov
         raw = [task.scores_json(first.get(i)) for i in range(len(records))]
     write_predictions(task, records, preds, Path(out), scores=raw)
     return len(preds)
-
-
-def write_predictions(task, records: list[Record], preds: list, out: Path, scores: list | None = None) -> None:
-    """JSONL, one line per record: its row, the task's fields, the prediction, the gold answer when the record has
-    one (``gold``) and, with ``scores``, the raw scores; written atomically."""
-    import os
-
-    from .data.readers import DataError
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for i, (rec, pred) in enumerate(zip(records, preds)):
-                line = {"row": rec.row, **task.prediction_json(rec, pred)}
-                try:
-                    line["gold"] = task.reference(rec)
-                except (DataError, KeyError, ValueError):
-                    pass  # an unlabelled record
-                if scores is not None and scores[i] is not None:
-                    line["scores"] = scores[i]
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind

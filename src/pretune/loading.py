@@ -28,13 +28,12 @@ from typing import Literal
 
 import torch
 
-from .checkpoint import CONFIG_NAME, CheckpointError
+from .checkpoint import CONFIG_NAME, TASK_FILE, CheckpointError
 from .config import ConfigError
 
 FolderKind = Literal["pretune", "transformers", "adapter"]
-TASK_FILE = "task.json"  # how a finetuned model's records become inputs (written by finetune, read by evaluate)
 
-__all__ = ["Pretrained", "folder_kind", "load_pretrained", "load", "read_task", "TASK_FILE"]
+__all__ = ["Pretrained", "folder_kind", "load_pretrained", "load", "read_task", "build_run_model", "TASK_FILE"]
 
 
 @dataclass
@@ -195,3 +194,89 @@ def load(path: str | os.PathLike, *, base: str | os.PathLike | None = None, merg
          device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """The model of any model folder (see :func:`load_pretrained`), in eval mode."""
     return load_pretrained(path, base=base, need_tokenizer=False, merge=merge, device=device, dtype=dtype).model
+
+
+def build_run_model(spec: dict, *, tokenizer: str | os.PathLike = "", head: dict | None = None,
+                    from_scratch: bool = False, seed: int = 0, log=print):
+    """(model, tokenizer) a training run starts from: pretraining, distillation and finetuning build it here.
+
+    Args:
+        spec: the run config's ``model`` section. With ``init`` (any model folder; an adapter is folded into its
+            base): that model, its config changed by the other keys where they differ from it (``dropout``, say;
+            ``preset`` is not read, and a key that would change a weight's shape is refused). Without: a new model,
+            ``preset`` with the other keys as overrides, and from the tokenizer what they leave out of
+            ``vocab_size``, ``pad_token_id`` (its pad, else 0) and ``decoder_start_token_id`` (its pad, else its
+            bos, else 0).
+        tokenizer: a tokenizer.json or a folder holding one; a new model needs it; with ``init`` it replaces the
+            folder's own, which must then map every token to the same id.
+        head: the head the run trains (``TransformerLM.with_head`` fields): a new model is built with it, a model
+            from ``init`` with another head gets a freshly initialised one (logged); None: the model's own.
+        from_scratch: with ``init``: its architecture (the overrides applied) with random weights.
+        seed: torch's seed, set before any weight is drawn.
+        log: where the changes to a model from ``init`` are reported.
+    """
+    from .model import TransformerLM
+    from .runconfig import RunConfig
+    from .tokenization import Tokenizer
+
+    init = spec.get("init")
+    if not init and not spec.get("preset"):
+        raise ConfigError("no model: set model.init=CHECKPOINT (a pretune or Hugging Face folder) or "
+                          "model.preset=NAME with tokenizer=PATH to train from scratch")
+    torch.manual_seed(seed)
+    if init:
+        loaded = load_pretrained(init, tokenizer=tokenizer or None, merge=True)
+        model, tok = loaded.model, loaded.tokenizer  # load_pretrained checked the vocabulary
+        overrides = {k: v for k, v in spec.items() if k not in ("init", "preset")}
+        if from_scratch:
+            model = TransformerLM(model.config.replace(**overrides))
+            log(f"from scratch: {init}'s architecture with random weights")
+        else:
+            model = _with_overrides(model, overrides, init)
+        if head is not None:
+            if head["head"] in ("classification", "tagging") and head["head"] == model.config.head:
+                head = {**head, "num_labels": model.config.num_labels, "labels": model.config.labels}  # its label map
+            if head["head"] != model.config.head:
+                log(f"model.init {init} has head={model.config.head!r}; adding a freshly initialised "
+                    f"{head['head']} head")
+            model = model.with_head(**head)
+    else:
+        if not tokenizer:
+            raise ConfigError(f"model.preset={spec['preset']} builds a new model and needs tokenizer=PATH")
+        tok = Tokenizer.load(tokenizer)
+        start = tok.pad_id if tok.pad_id is not None else tok.bos_id  # T5: decoding starts from the pad token
+        ids = {"pad_token_id": tok.pad_id if tok.pad_id is not None else 0,
+               "decoder_start_token_id": start if start is not None else 0}
+        fields = {**{k: v for k, v in ids.items() if k not in spec}, **(head or {})}
+        config = RunConfig(model=dict(spec)).model_config(vocab_size=tok.vocab_size, **fields)
+        if config.vocab_size < tok.vocab_size:
+            raise ConfigError(f"model.vocab_size ({config.vocab_size}) is smaller than the tokenizer's vocabulary "
+                              f"({tok.vocab_size} tokens)")
+        model = TransformerLM(config)
+    return model, tok
+
+
+def _with_overrides(model, overrides: dict, init) -> torch.nn.Module:
+    """``model`` with the config fields of ``overrides`` that differ from its own, its weights kept (or itself)."""
+    from .checkpoint import empty_parameters, load_state, unique_state
+    from .model import TransformerLM
+
+    def shapes(config) -> dict:
+        with empty_parameters():  # on the meta device: no memory, no initialisation
+            return {k: t.shape for k, t in unique_state(TransformerLM(config)).items()}
+
+    changed = {k: v for k, v in overrides.items() if getattr(model.config, k, object()) != v}
+    if not changed:
+        return model
+    config = model.config.replace(**changed)  # an unknown key is refused here, naming the nearest
+    own = {k: t.shape for k, t in unique_state(model).items()}
+    reshaping = [k for k in changed if shapes(model.config.replace(**{k: changed[k]})) != own]
+    if reshaping:
+        given = ", ".join(f"model.{k}={changed[k]!r} (it has {getattr(model.config, k)!r})" for k in reshaping)
+        raise ConfigError(f"model.init {init}: {given} would change the shapes of the weights it holds; leave "
+                          f"{'it' if len(reshaping) == 1 else 'them'} out (a new architecture starts from "
+                          "model.preset)")
+    with empty_parameters():
+        new = TransformerLM(config)
+    load_state(new, unique_state(model), source=f"model.init {init} with {', '.join(changed)} changed")
+    return new

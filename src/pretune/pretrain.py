@@ -92,9 +92,8 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
 
     Returns (tokenizer, model, objective, ExampleSet, block_size)."""
     from .data.packing import pack_blocks, split_index
-    from .model import TransformerLM
+    from .loading import build_run_model
     from .objectives import OBJECTIVES, build_objective
-    from .tokenization import Tokenizer
     from .train.dist import DistInfo, barrier
     from .train.loop import ExampleSet
 
@@ -105,31 +104,11 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     if not cfg.data.train:
         raise ConfigError("no training data: set data.train=[FILES] (text, JSONL, CSV/TSV, Parquet, .gz; "
                           "folders and globs work)")
-    tok = Tokenizer.load(cfg.tokenizer)
     init = cfg.model.get("init")
-    torch.manual_seed(cfg.train.seed)
-    if init:
-        from .loading import load
-
-        model = load(init, merge=True)  # any model folder; an adapter is folded into its base
-        if model.config.vocab_size < tok.vocab_size:
-            raise ConfigError(f"model.init {init} has vocab_size {model.config.vocab_size} but the tokenizer has "
-                              f"{tok.vocab_size} tokens: use the checkpoint's own tokenizer")
-    else:
-        extra = {"pad_token_id": tok.pad_id if tok.pad_id is not None else 0}
-        if "decoder_start_token_id" not in cfg.model:
-            start = tok.pad_id if tok.pad_id is not None else tok.bos_id  # T5: decoding starts from the pad token
-            extra["decoder_start_token_id"] = start if start is not None else 0
-        mcfg = cfg.model_config(vocab_size=tok.vocab_size, **{k: v for k, v in extra.items() if k not in cfg.model})
-        if mcfg.vocab_size < tok.vocab_size:
-            raise ConfigError(f"model.vocab_size ({mcfg.vocab_size}) is smaller than the tokenizer's vocabulary "
-                              f"({tok.vocab_size} tokens)")
-        model = TransformerLM(mcfg)
-    need = OBJECTIVES[cfg.objective.name].head
-    if init and need is not None and model.config.head != need:
-        if dist.is_main:
-            print(f"model.init {init} has head={model.config.head!r}; adding a freshly initialised {need} head")
-        model = model.with_head(head=need)  # e.g. MiniLM ships without its MLM head: continue with a fresh one
+    need = OBJECTIVES[cfg.objective.name].head  # a checkpoint without it gets a fresh one (MiniLM ships without
+    # its MLM head); a new model has the head its config names, which the objective checks
+    model, tok = build_run_model(cfg.model, tokenizer=cfg.tokenizer, head={"head": need} if init and need else None,
+                                 seed=cfg.train.seed, log=print if dist.is_main else lambda *a: None)
     teacher = None
     if getattr(cfg.objective, "teacher", ""):  # distillation: the frozen model the student learns from
         from .loading import load

@@ -224,10 +224,10 @@ def _eval_worker(job: Job, folder) -> dict:
     import json
 
     from .. import bundled
-    from ..inference import evaluate_task
     from ..loading import load_pretrained
     from ..tasks import TaskConfig, build_task
     from ..tasks.base import Record
+    from ..tasks.run import evaluate_task
 
     loaded = load_pretrained(folder)
     task = build_task(TaskConfig(name="sft", chat=True, prompt_template=PROMPT, completion_field="label",

@@ -242,43 +242,19 @@ def cmd_distill(args) -> int:
 
 def cmd_finetune(args) -> int:
     from ..config import ConfigError
-    from ..finetune import finetune, load_finetune_config
+    from ..finetune import finetune, load_finetune_config, resolved_yaml
 
     base = config_layer(args, FINETUNE_FLAGS)
     if {"init", "preset"} <= set(base.get("model", {})):
         raise ConfigError("give --model (start from a checkpoint) or --preset (train from scratch), not both")
     cfg = load_finetune_config(args.config, args.overrides, base=base)
     if args.print_config:
-        print(resolved_finetune_config(cfg))
+        print(resolved_yaml(cfg))
         return 0
     result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
     if not _worker():
         print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
     return 0
-
-
-def resolved_finetune_config(cfg) -> str:
-    """The config a finetuning run would use, as YAML: the data is read and the model built (nothing is
-    trained or written), so the values derived from them appear, each marked with how it was derived."""
-    from omegaconf import OmegaConf
-
-    from ..finetune import prepare
-
-    if not cfg.data.train or not (cfg.model.get("init") or cfg.model.get("preset")):
-        note = ("# train.steps, warmup_steps, eval_every and lr are derived from the data and the model when the run "
-                "starts:\n# give data.train and model.init (or model.preset) to see the values it will use\n")
-        return note + OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
-    job = prepare(cfg, show_progress=False, log=lambda *a: None)
-    lines = OmegaConf.to_yaml(OmegaConf.create(job.cfg.to_dict())).splitlines()
-    section = ""
-    for i, line in enumerate(lines):
-        if line and not line.startswith(" "):
-            section = line.rstrip(":")
-        elif line.startswith("  ") and not line.startswith("   "):
-            key = f"{section}.{line.strip().split(':', 1)[0]}"
-            if key in job.derived:
-                lines[i] = f"{line}  # derived: {job.derived[key]}"
-    return "\n".join(lines)
 
 
 def _task_overrides(args) -> dict:

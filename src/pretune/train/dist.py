@@ -24,6 +24,11 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def all_gather(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every process: the gather a job hands to code below ``train``
+        (``tasks.run.evaluate_task(dist=...)``)."""
+        return all_gather_objects(obj, self)
+
 
 def init_distributed() -> DistInfo:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1), else a single-process DistInfo.
