@@ -61,6 +61,7 @@ def _check_outputs(out: Path, name: str, *, rows: int, pngs: list[str]) -> dict:
 # ----------------------------------------------------------------------------------------------
 # each experiment's fast size
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_positions_fast(tmp_path, capsys):
     t0 = time.time()
     result = run_experiment("positions", out=tmp_path / "pos", log=lambda *a: None, **FAST)
@@ -95,6 +96,7 @@ def test_positions_fast(tmp_path, capsys):
 
 
 @needs_minilm
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_pretrained_vs_scratch_fast(tmp_path):
     t0 = time.time()
     result = run_experiment("pretrained-vs-scratch", out=tmp_path / "pvs", log=lambda *a: None, **FAST)
@@ -106,6 +108,7 @@ def test_pretrained_vs_scratch_fast(tmp_path):
 
 
 @needs_minilm  # the fast size wraps a tiny random checkpoint; the default one is MiniLM (checked below)
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_peft_vs_data_fast(tmp_path):
     t0 = time.time()
     result = run_experiment("peft-vs-data", out=tmp_path / "peft", log=lambda *a: None, **FAST)
@@ -149,6 +152,7 @@ def test_mlm_vs_electra_fast(tmp_path):
     assert (tmp_path / "mve" / "results.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_t5_objectives_fast(tmp_path):
     t0 = time.time()
     result = run_experiment("t5-objectives", out=tmp_path / "t5", log=lambda *a: None, **FAST)
@@ -186,6 +190,7 @@ def _downstream_starts_from_its_seed(result) -> None:
         assert r["metrics"]["test.macro_f1"] is not None
 
 
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_ffn_variants_fast(tmp_path):
     from pretune.experiments.ffn_variants import VARIANTS, ffn_parameters, gated_dim
     from pretune.loading import load
@@ -214,6 +219,7 @@ def test_ffn_variants_fast(tmp_path):
     assert "GEGLU —: not measured" in result.findings[0].explanation  # not in the fast size: said so, not confirmed
 
 
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_masking_fast(tmp_path):
     t0 = time.time()
     logged = []
@@ -285,6 +291,7 @@ def _fake_sweep(rows: list[dict], metrics: list[str]):
     return SweepResult(out=Path("."), metrics=metrics, rows=rows, settings=aggregate_rows(rows, metrics))
 
 
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_few_shot_fast(tmp_path):
     t0 = time.time()
     result = run_experiment("few-shot", out=tmp_path / "fs", log=lambda *a: None, **FAST)
@@ -313,6 +320,7 @@ def test_few_shot_fast(tmp_path):
     assert "label names, random labels" in result.table and "| example set (seed) | order 0 | order 1 |" in result.table
 
 
+@pytest.mark.slow  # 25-60 s (make test-slow); test_mlm_vs_electra_fast runs one experiment by default
 def test_warmup_batch_fast(tmp_path):
     t0 = time.time()
     result = run_experiment("warmup-batch", out=tmp_path / "wb", log=lambda *a: None, **FAST)

@@ -84,7 +84,7 @@ def reference(setup):
     return out
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("method", [pytest.param("full", marks=pytest.mark.slow), "lora"])  # full: ~50 s, test-slow
 def test_sigkill_at_random_steps_and_during_a_checkpoint_write_then_resume_is_bitwise(setup, reference, method):
     rng = random.Random(f"kill-{method}")
     first, later = rng.randint(2, 9), rng.randint(16, 28)  # before and after the torn checkpoint of step 15

@@ -242,6 +242,7 @@ def test_a_failing_trial_is_reported_and_the_others_finish(tmp_path, data, token
     assert _essence(again.rows) == _essence(result.rows)
 
 
+@pytest.mark.slow  # 17-34 s (make test-slow); the failing-trial test runs a sweep end to end by default
 def test_a_killed_sweep_reruns_only_its_unfinished_trials(tmp_path, data, tokenizers_by_kind):
     spec = _spec(tokenizers_by_kind["wordpiece"], data, tmp_path / "sweep")
     path = tmp_path / "sweep.yaml"
@@ -282,6 +283,7 @@ def test_a_killed_sweep_reruns_only_its_unfinished_trials(tmp_path, data, tokeni
         (tmp_path / "uninterrupted" / "summary.md").read_text().split("| wall")[0]
 
 
+@pytest.mark.slow  # 17-34 s (make test-slow); the failing-trial test runs a sweep end to end by default
 def test_a_changed_spec_is_not_mixed_with_trials_run_before(tmp_path, data, tokenizers_by_kind):
     spec = _spec(tokenizers_by_kind["wordpiece"], data, tmp_path / "sweep", grid={"train.lr": [1e-3]})
     run_sweep(spec, **QUIET)
@@ -303,6 +305,7 @@ def test_a_changed_spec_is_not_mixed_with_trials_run_before(tmp_path, data, toke
     assert _essence(again.rows) == _essence(more.rows)
 
 
+@pytest.mark.slow  # 17-34 s (make test-slow); the failing-trial test runs a sweep end to end by default
 def test_the_submitit_local_executor_runs_a_sweep(tmp_path, data, tokenizers_by_kind):
     pytest.importorskip("submitit")
     spec = _spec(tokenizers_by_kind["wordpiece"], data, tmp_path / "sweep")

@@ -86,6 +86,7 @@ def test_fsdp_on_two_processes_equals_one_process(tmp_path, pretrain_args):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # ~30 s of SIGKILLs under torchrun (make test-slow); DDP/FSDP equality and resume run by default
 def test_sigkills_then_resume_equal_an_uninterrupted_fsdp_run_bitwise(tmp_path, pretrain_args):
     """Killed three times at seeded random moments, once in the middle of writing a checkpoint."""
     moments = random.Random(7).sample([3, 5, 7, 9], 2)
