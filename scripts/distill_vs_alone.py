@@ -36,8 +36,8 @@ def common(args, out: Path, steps: int) -> list[str]:
 
 
 def run(name: str, out: Path, overrides: list[str], *, distil: bool) -> dict:
-    from pretune.distill import distill, load_distill_config
-    from pretune.pretrain import load_run_config, pretrain
+    from pretune.jobs.distill import distill, load_distill_config
+    from pretune.jobs.pretrain import load_run_config, pretrain
 
     done = out / name / "result.json"
     if done.is_file():
@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--data", nargs="+", type=Path, default=None, help="pretraining text (default: the bundled corpus)")
     args = p.parse_args()
     from pretune import bundled
-    from pretune.tokenization import train_tokenizer
+    from pretune.io.tokenization import train_tokenizer
 
     args.data = args.data or bundled.corpus()
     out = args.out
@@ -109,7 +109,7 @@ def _sd(xs: list[float]) -> float:
 def finetune_on_spam(out: Path, name: str, seed: int, threads: int) -> dict:
     """Test scores of ``out/name/model`` finetuned on the bundled sms_spam task (cached in its folder)."""
     from pretune import bundled
-    from pretune.finetune import finetune, load_finetune_config
+    from pretune.jobs.finetune import finetune, load_finetune_config
 
     run = out / f"{name}-sms_spam-seed{seed}"
     if (run / "results.json").is_file():

@@ -51,7 +51,7 @@ def task_files(name: str, folder: Path) -> dict[str, Path]:
 
 
 def run_one(task: str, method: str, files: dict, out: Path, extra: list[str]) -> dict:
-    from pretune.finetune import finetune, load_finetune_config
+    from pretune.jobs.finetune import finetune, load_finetune_config
     from pretune.realmodels import minilm_dir
 
     overrides = [f"model.init={minilm_dir()}", "task.name=classification", f"data.train={files['train']}",

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 try:
-    from pretune.tokenization import Tokenizer
+    from pretune.io.tokenization import Tokenizer
 except ImportError:
     from pretune.tokenize import Tokenizer
 import pretune
@@ -28,13 +28,13 @@ tok = Tokenizer.load(folder)
 B = str(Path(__file__).resolve().parent.parent / "src/pretune/bundled/tasks/wordnet_reverse_dictionary/test.jsonl")
 rows = [json.loads(x) for x in open(B).read().splitlines()[:n]]
 if mode == "before":
-    from pretune.finetune import evaluate_task
+    from pretune.jobs.finetune import evaluate_task
     from pretune.tasks import TaskConfig, build_task
     from pretune.tasks.base import Record
     task = build_task(TaskConfig(name="seq2seq", prefix="word for: ", max_target_len=8), model.config, tok)
     recs = [Record(f"t:{i}", r) for i, r in enumerate(rows)]
 else:
-    from pretune.inference import evaluate_task
+    from pretune.jobs.inference import evaluate_task
     from pretune.tasks import TaskConfig, build_task
     from pretune.tasks.base import Record
     task = build_task(TaskConfig(name="seq2seq", prefix="word for: ", max_target_len=8), model.config, tok)

@@ -48,7 +48,7 @@ def zero_shot(folder: Path, files: dict[str, Path]) -> dict:
     import torch
     import transformers
 
-    from pretune.finetune import load_finetune_config, prepare
+    from pretune.jobs.finetune import load_finetune_config, prepare
     from pretune.tasks.metrics import compute
     from pretune.tasks.run import evaluate_task
 
@@ -83,7 +83,7 @@ def zero_shot(folder: Path, files: dict[str, Path]) -> dict:
 
 
 def train(folder: Path, files: dict[str, Path], out: Path, seed: int, epochs: float, lr: float) -> dict:
-    from pretune.finetune import finetune, load_finetune_config
+    from pretune.jobs.finetune import finetune, load_finetune_config
 
     cfg = load_finetune_config(None, overrides(files, **{
         "model.init": folder, "peft.method": "lora", "train.out": out / f"seed{seed}", "train.seed": seed,

@@ -62,7 +62,7 @@ def small_corpus(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizers_by_kind(small_corpus, tmp_path_factory):
     """One small trained tokenizer of each kind, saved: {kind: path to tokenizer.json}."""
-    from pretune.tokenization import train_tokenizer
+    from pretune.io.tokenization import train_tokenizer
 
     d = tmp_path_factory.mktemp("toks")
     out = {}

@@ -87,15 +87,55 @@ def test_every_module_has_a_layer():
     assert not missing, f"modules in no layer of docs/architecture.md: {missing}"
 
 
-def test_imports_follow_the_layers():
+FOLDERS = sorted({".".join(m.split(".")[:2]) for m, p in MODULES.items()
+                  if p.parent != PKG})  # pretune.jobs, pretune.io, ...: the folders of src/pretune/
+
+
+def test_the_layers_go_by_folder():
+    """A row names a folder whole (``pretune.jobs.*``) or a module at the package root: no folder is split
+    between layers, and a new module in a folder takes the folder's layer."""
     bad = []
-    for m, targets in GRAPH.items():
+    for layer, (patterns, _) in LAYERS.items():
+        for pat in patterns:
+            name = pat.removesuffix(".*")
+            if pat.endswith(".*") and name not in FOLDERS:
+                bad.append(f"{layer}: {pat} is not a folder of src/pretune/")
+            if not pat.endswith(".*") and name != "pretune" and (name in FOLDERS or name.count(".") != 1):
+                bad.append(f"{layer}: {pat} names a folder or a module inside one (write {name.split('.')[0]}."
+                           f"{name.split('.')[1]}.* for the folder)")
+    assert not bad, "\n".join(bad)
+    layers_of = {f: {_layer_of(m) for m in MODULES if m == f or m.startswith(f + ".")} for f in FOLDERS}
+    assert all(len(v) == 1 for v in layers_of.values()), layers_of
+
+
+def _against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, targets in graph.items():
         layer = _layer_of(m)
         allowed = set(LAYERS[layer][1]) | {layer}
         for t in sorted(targets):
             if _layer_of(t) not in allowed:
                 bad.append(f"{m} ({layer}) imports {t} ({_layer_of(t)})")
+    return bad
+
+
+def test_imports_follow_the_layers():
+    bad = _against_the_layers(GRAPH)
     assert not bad, "imports against docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_catches_an_import_up():
+    """An input/output module importing a job, a job importing the CLI or a study, and a new module in a folder
+    taking its folder's layer: the check sees each."""
+    assert _layer_of("pretune.jobs.new_job") == "jobs" and _layer_of("pretune.io.new_format") == "io"
+    graph = {"pretune.io.checkpoint": {"pretune.jobs.finetune"}, "pretune.jobs.new_job": {"pretune.cli"},
+             "pretune.jobs.finetune": {"pretune.sweep.engine", "pretune.tasks.run"},
+             "pretune.generation.decode": {"pretune.cli.generate"}}
+    assert _against_the_layers(graph) == [
+        "pretune.io.checkpoint (io) imports pretune.jobs.finetune (jobs)",
+        "pretune.jobs.new_job (jobs) imports pretune.cli (cli)",
+        "pretune.jobs.finetune (jobs) imports pretune.sweep.engine (studies)",
+        "pretune.generation.decode (generation) imports pretune.cli.generate (cli)"]
 
 
 def test_no_import_cycles():

@@ -18,7 +18,7 @@ import torch
 import pretune
 from conftest import corpus_paragraphs
 from pretune.cli import main
-from pretune.tokenization import Tokenizer
+from pretune.io.tokenization import Tokenizer
 
 PRETRAIN = ["--preset", "tiny-bert-base", "--objective", "mlm", "--steps", "6", "--quiet", "train.batch_size=8",
             "data.block_size=32", "train.save_every=3", "train.eval_every=3", "train.tensorboard=false",

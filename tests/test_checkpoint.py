@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import pretune
-import pretune.checkpoint
+import pretune.io.checkpoint
 from pretune import CheckpointError, ConfigError, ModelConfig
 
 
@@ -106,7 +106,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     pretune.save(old, path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     new = _model(seed=1, n_layers=3)
-    monkeypatch.setattr(pretune.checkpoint, "save_file", _fail)
+    monkeypatch.setattr(pretune.io.checkpoint, "save_file", _fail)
     with pytest.raises(OSError, match="disk full"):
         pretune.save(new, path)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left behind
@@ -115,7 +115,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(pretune.checkpoint, "save_file", _fail)
+    monkeypatch.setattr(pretune.io.checkpoint, "save_file", _fail)
     with pytest.raises(OSError):
         pretune.save(_model(), tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
@@ -235,13 +235,13 @@ def test_load_holds_the_weights_once_the_files_tensors_become_the_parameters(tmp
     model = _model("tiny-llama")
     pretune.save(model, tmp_path / "ckpt")
     read = {}
-    real = pretune.checkpoint.read_weights
+    real = pretune.io.checkpoint.read_weights
 
     def spy(file):
         read.update(real(file))
         return read
 
-    monkeypatch.setattr(pretune.checkpoint, "read_weights", spy)
+    monkeypatch.setattr(pretune.io.checkpoint, "read_weights", spy)
     inits = []
     monkeypatch.setattr(pretune.model.TransformerLM, "_init_weights", staticmethod(lambda m: inits.append(m)))
     loaded = pretune.load(tmp_path / "ckpt")
@@ -258,14 +258,14 @@ def test_load_holds_the_weights_once_the_files_tensors_become_the_parameters(tmp
 
 
 def test_load_state_adopts_meta_parameters_and_never_ties_by_accident():
-    from pretune.checkpoint import empty_parameters, load_state
+    from pretune.io.checkpoint import empty_parameters, load_state
 
     with empty_parameters():
         model = pretune.build_model("tiny-gpt2", tie_embeddings=False)
     assert all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())  # buffers are computed, so they stay real
     assert not torch.nn.Linear(2, 2).weight.is_meta  # only inside the context
-    state = {k: torch.randn(v.shape) for k, v in pretune.checkpoint.unique_state(model).items()}
+    state = {k: torch.randn(v.shape) for k, v in pretune.io.checkpoint.unique_state(model).items()}
     state["head.weight"] = state["transformer.embed.weight"]  # one tensor under two keys
     grads = {k: p.requires_grad for k, p in model.named_parameters()}
     load_state(model, state, source="test")
@@ -279,7 +279,7 @@ def test_load_state_adopts_meta_parameters_and_never_ties_by_accident():
 
 
 def test_empty_parameters_restores_module_construction_after_an_error():
-    from pretune.checkpoint import empty_parameters
+    from pretune.io.checkpoint import empty_parameters
 
     normal = torch.nn.init.normal_
     with pytest.raises(RuntimeError), empty_parameters():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pretune.checkpoint import load
 from pretune.cli import main
+from pretune.io.checkpoint import load
 
 COMMON = ["--steps", "4", "--quiet", "train.batch_size=8", "data.block_size=32", "train.save_every=2",
           "train.eval_every=2", "train.tensorboard=false", "train.plot=false"]

@@ -10,7 +10,7 @@ import yaml
 
 from pretune.cli import main
 from pretune.data.store import TokenStore
-from pretune.tokenization import Tokenizer
+from pretune.io.tokenization import Tokenizer
 
 RUN_ARGS = ["--preset", "tiny-bert-base", "--objective", "mlm", "--steps", "6", "--quiet", "train.batch_size=8",
             "data.block_size=32", "train.save_every=3", "train.eval_every=3", "train.tensorboard=false"]

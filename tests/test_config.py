@@ -153,7 +153,7 @@ def test_position_offset_without_learned_positions_is_rejected():
 
 def test_text_settings_on_the_command_line_stay_text():
     """"Question: {q}" would be a YAML mapping to OmegaConf's dot-list parser; a str setting keeps it as written."""
-    from pretune.finetune import load_finetune_config
+    from pretune.jobs.finetune import load_finetune_config
 
     sft = load_finetune_config(None, ["task.name=sft", "task.prompt_template=Question: {q} Answer:"])
     cfg = load_finetune_config(None, ["task.name=choice", "task.prefix='sst2: '", "task.max_len=64",

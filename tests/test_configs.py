@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pretune.finetune import finetune, load_finetune_config
-from pretune.pretrain import load_run_config, pretrain
+from pretune.jobs.finetune import finetune, load_finetune_config
+from pretune.jobs.pretrain import load_run_config, pretrain
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -74,8 +74,8 @@ def test_family_configs_export_to_transformers_with_equal_logits(name, tmp_path,
     import torch
 
     transformers = pytest.importorskip("transformers")
-    from pretune.checkpoint import load
     from pretune.interop import to_hf
+    from pretune.io.checkpoint import load
 
     config = CONFIGS / "pretrain" / f"{name}.yaml"
     cfg = load_run_config(config, [])
@@ -116,10 +116,10 @@ def tiny_checkpoints(tokenizers_by_kind, tmp_path_factory) -> dict[str, Path]:
     """A random-weight tiny checkpoint of each family, saved with its tokenizer (what `pretrain` leaves)."""
     import torch
 
-    from pretune.checkpoint import save
+    from pretune.io.checkpoint import save
+    from pretune.io.tokenization import Tokenizer
     from pretune.model import TransformerLM
     from pretune.presets import get_preset
-    from pretune.tokenization import Tokenizer
 
     d = tmp_path_factory.mktemp("ckpts")
     out = {}

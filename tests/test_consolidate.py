@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 
-from pretune.checkpoint import CheckpointError, read_weights, save
-from pretune.cli import main, parse_size
-from pretune.consolidate import consolidate
+from pretune.cli import main
+from pretune.cli.model import parse_size
+from pretune.io.checkpoint import CheckpointError, read_weights, save
+from pretune.jobs.consolidate import consolidate
+from pretune.jobs.pretrain import load_run_config, pretrain
 from pretune.model import build_model
-from pretune.pretrain import load_run_config, pretrain
 
 
 def test_a_plain_checkpoint_consolidates_to_its_model(tmp_path, small_corpus, tokenizers_by_kind):

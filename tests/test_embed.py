@@ -1,4 +1,4 @@
-"""pretune.embed: contextual sentence embeddings against sentence-transformers' recipe on the real MiniLM."""
+"""pretune.jobs.embed: contextual sentence embeddings against sentence-transformers' recipe on the real MiniLM."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from pretune.cli.embed import add_embed_parser
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
-from pretune.embed import (
+from pretune.io.outputs import OutputError
+from pretune.jobs.embed import (
     cosine_matrix,
     embed_texts,
     load_encoder,
@@ -21,7 +22,6 @@ from pretune.embed import (
     rank_pairs,
     special_tokens,
 )
-from pretune.outputs import OutputError
 
 GUITAR = "A man is playing a guitar."
 PARAPHRASE = "Someone plays the guitar."

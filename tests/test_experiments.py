@@ -256,10 +256,10 @@ def test_masking_heldout_mlm_against_a_direct_computation(tmp_path):
     import torch
 
     from pretune.experiments.masking import heldout_blocks, heldout_mlm
+    from pretune.io.tokenization import train_tokenizer
     from pretune.model import TransformerLM
     from pretune.objectives.masking import mlm_example
     from pretune.presets import get_preset
-    from pretune.tokenization import train_tokenizer
 
     text = tmp_path / "heldout.txt"
     text.write_text("\n\n".join(f"Document {i} tells of the whale and the sea, chapter {i}." for i in range(40)) + "\n")

@@ -12,7 +12,7 @@ from pretune import load
 from pretune.cli import main
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
-from pretune.finetune import evaluate, finetune, load_finetune_config, predict
+from pretune.jobs.finetune import evaluate, finetune, load_finetune_config, predict
 
 
 def _write(path, rows):

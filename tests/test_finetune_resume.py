@@ -16,8 +16,8 @@ import torch
 
 import pretune
 from conftest import corpus_paragraphs
-from pretune.checkpoint import read_weights
-from pretune.tokenization import Tokenizer
+from pretune.io.checkpoint import read_weights
+from pretune.io.tokenization import Tokenizer
 
 HERE = Path(__file__).parent
 KILL = HERE / "helpers" / "kill_run.py"

@@ -10,11 +10,11 @@ import torch
 
 import pretune
 from pretune import peft
-from pretune.checkpoint import CheckpointError
 from pretune.cli import main
 from pretune.generation import generate
+from pretune.io.checkpoint import CheckpointError
+from pretune.io.tokenization import Tokenizer
 from pretune.loading import folder_kind, load_pretrained
-from pretune.tokenization import Tokenizer
 
 METHODS = ["lora", "ia3", "adapter", "prefix", "prompt"]
 

@@ -1,4 +1,4 @@
-"""Never lose a user's work: which folders and files pretune may write (pretune.outputs), and how it writes into a
+"""Never lose a user's work: which folders and files pretune may write (pretune.io.outputs), and how it writes into a
 folder that also holds the user's own files (checkpoint.atomic_folder)."""
 
 import json
@@ -7,9 +7,9 @@ import os
 import pytest
 
 import pretune
-from pretune.checkpoint import CheckpointError, atomic_folder
 from pretune.cli import main
-from pretune.outputs import MARKER, OutputError, check_file, check_folder, clean_run_folder, mark, owned_entries
+from pretune.io.checkpoint import CheckpointError, atomic_folder
+from pretune.io.outputs import MARKER, OutputError, check_file, check_folder, clean_run_folder, mark, owned_entries
 
 
 def _user_files(folder):
@@ -147,7 +147,7 @@ def test_a_run_folder_from_before_markers_is_still_recognised(tmp_path):
 
 
 def test_overwrite_refuses_to_write_over_a_users_entry_named_like_a_runs(tmp_path):
-    from pretune.outputs import prepare_run_folder
+    from pretune.io.outputs import prepare_run_folder
 
     run = tmp_path / "proj"
     files = _user_files(run)
@@ -186,7 +186,7 @@ def test_atomic_folder_never_moves_an_existing_folder(tmp_path, monkeypatch):
 
 
 def test_files_written_beside_a_saved_model_are_recorded(tmp_path):
-    from pretune.inference import save_task
+    from pretune.jobs.inference import save_task
     from pretune.tasks.base import TaskConfig
 
     pretune.save(pretune.build_model("tiny-bert-base"), tmp_path / "m")
@@ -237,7 +237,7 @@ def test_written_files_get_the_users_permissions_not_0600(tmp_path):
 def test_write_atomic_writes_whole_files_with_umask_permissions_and_leaves_nothing_on_failure(tmp_path):
     import os
 
-    from pretune.outputs import write_atomic
+    from pretune.io.outputs import write_atomic
 
     f = tmp_path / "sub" / "out.json"
     write_atomic(f, "é\n")

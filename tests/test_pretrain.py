@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pretune.config import ConfigError
-from pretune.pretrain import load_run_config, pretrain
+from pretune.jobs.pretrain import load_run_config, pretrain
 
 # objective -> (preset, tokenizer kind, extra overrides)
 CASES = {
@@ -78,7 +78,7 @@ def test_block_size_above_max_positions(tmp_path, small_corpus, tokenizers_by_ki
 
 
 def test_span_without_sentinels_is_explained(tmp_path, small_corpus):
-    from pretune.tokenization import train_tokenizer
+    from pretune.io.tokenization import train_tokenizer
 
     tok = train_tokenizer([small_corpus], kind="wordpiece", vocab_size=400, sentinels=0, show_progress=False)
     path = tok.save(tmp_path / "tok.json")
@@ -116,8 +116,8 @@ def test_continue_pretraining_a_checkpoint_without_its_head(tmp_path, small_corp
     import torch
 
     import pretune
-    from pretune.pretrain import prepare
-    from pretune.tokenization import Tokenizer
+    from pretune.io.tokenization import Tokenizer
+    from pretune.jobs.pretrain import prepare
 
     tok = Tokenizer.load(tokenizers_by_kind["wordpiece"])
     body = pretune.build_model("tiny-bert-base", head="none", vocab_size=tok.vocab_size, max_seq_len=128)

@@ -8,11 +8,11 @@ import torch
 
 import pretune
 from pretune.config import ConfigError
-from pretune.finetune import load_finetune_config
-from pretune.finetune import prepare as prepare_finetune
+from pretune.jobs.finetune import load_finetune_config
+from pretune.jobs.finetune import prepare as prepare_finetune
+from pretune.jobs.pretrain import load_run_config
+from pretune.jobs.pretrain import prepare as prepare_pretrain
 from pretune.loading import build_run_model
-from pretune.pretrain import load_run_config
-from pretune.pretrain import prepare as prepare_pretrain
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """SentencePiece-only folders (ALBERT's and T5's spiece.model, DeBERTa-v3's spm.model) load in pretune: converted
-once (pretune.spm) to ids equal to the slow tokenizers' and to transformers' on real text, special tokens included.
+once (pretune.io.spm) to ids equal to the slow tokenizers' and to transformers' on real text, special tokens included.
 
 The SentencePiece models are trained here on the bundled corpus (a second each), with the special pieces of the real
 ones: ALBERT <pad> <unk> [CLS] [SEP] [MASK]; DeBERTa-v3 [PAD] [CLS] [SEP] [UNK] (its [MASK] is added_tokens.json's,
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pretune import bundled
-from pretune.tokenization import Tokenizer, TokenizerError
+from pretune.io.tokenization import Tokenizer, TokenizerError
 
 FAMILIES = ("albert", "deberta-v2", "t5")
 VOCAB = 800
@@ -239,7 +239,7 @@ def test_roles_sentinels_and_added_tokens(models, tmp_path):
 
 
 def test_converted_once_into_the_cache_never_into_the_folder(models, tmp_path, monkeypatch):
-    import pretune.spm
+    import pretune.io.spm
 
     folder = _folder(tmp_path / "t5", "t5", models["t5"])
     before = sorted(p.name for p in folder.iterdir())
@@ -247,7 +247,7 @@ def test_converted_once_into_the_cache_never_into_the_folder(models, tmp_path, m
     assert sorted(p.name for p in folder.iterdir()) == before
     cached = list((tmp_path / "cache" / "tokenizers").glob("*/tokenizer.json"))
     assert len(cached) == 1
-    monkeypatch.setattr(pretune.spm, "_build", lambda *a: pytest.fail("converted again"))
+    monkeypatch.setattr(pretune.io.spm, "_build", lambda *a: pytest.fail("converted again"))
     again = Tokenizer.load(folder)
     assert again.tk.to_str() == first.tk.to_str()
     assert again.encode("Emma Woodhouse, handsome") == first.encode("Emma Woodhouse, handsome")

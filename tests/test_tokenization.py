@@ -1,4 +1,4 @@
-"""Tests for pretune.tokenization: training the three recipes, roles, save/load, Hugging Face folders, errors."""
+"""Tests for pretune.io.tokenization: training the three recipes, roles, save/load, Hugging Face folders, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pretune.tokenization import (
+from pretune.io.tokenization import (
     DEFAULT_SPECIALS,
     SPECIAL_SETS,
     Tokenizer,

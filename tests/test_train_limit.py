@@ -12,7 +12,7 @@ from pretune.bundled import path as bundled
 from pretune.cli import main
 from pretune.config import ConfigError
 from pretune.data.records import read_records
-from pretune.finetune import load_finetune_config, prepare, subsample
+from pretune.jobs.finetune import load_finetune_config, prepare, subsample
 
 TRAIN = str(bundled("tasks/sms_spam/dev.jsonl"))  # 453 real records
 
@@ -66,7 +66,7 @@ def test_a_negative_limit_is_refused(tmp_path, tokenizers_by_kind):
 
 
 def test_a_resumed_run_keeps_its_limit(tmp_path, tokenizers_by_kind):
-    from pretune.outputs import prepare_run_folder
+    from pretune.io.outputs import prepare_run_folder
 
     cfg = _cfg(tmp_path, tokenizers_by_kind, "data.train_limit=60")
     prepare_run_folder(tmp_path / "run", cfg.to_dict(), resume=False, overwrite=False, log=lambda *a: None)

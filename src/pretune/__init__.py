@@ -27,13 +27,13 @@ _EXPORTS = {  # public name -> the module that defines it
     "build_model": "pretune.model", "TransformerLM": "pretune.model", "ModelOutput": "pretune.model",
     "KVCache": "pretune.model", "count_parameters": "pretune.model",
     "load": "pretune.loading", "load_pretrained": "pretune.loading", "Pretrained": "pretune.loading",
-    "save": "pretune.checkpoint", "CheckpointError": "pretune.checkpoint",
+    "save": "pretune.io.checkpoint", "CheckpointError": "pretune.io.checkpoint",
     "ConfigError": "pretune.config", "ModelConfig": "pretune.config",
     "from_hf": "pretune.interop", "to_hf": "pretune.interop", "InteropError": "pretune.interop",
     "PRESETS": "pretune.presets", "get_preset": "pretune.presets", "preset_names": "pretune.presets",
-    "pretrain": "pretune.pretrain", "load_run_config": "pretune.pretrain", "RunConfig": "pretune.runconfig",
-    "Tokenizer": "pretune.tokenization", "load_tokenizer": "pretune.tokenization",
-    "train_tokenizer": "pretune.tokenization", "generate": "pretune.generation",
+    "pretrain": "pretune.jobs.pretrain", "load_run_config": "pretune.jobs.pretrain", "RunConfig": "pretune.runconfig",
+    "Tokenizer": "pretune.io.tokenization", "load_tokenizer": "pretune.io.tokenization",
+    "train_tokenizer": "pretune.io.tokenization", "generate": "pretune.generation",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -53,13 +53,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
-    from .checkpoint import CheckpointError, save
     from .config import ConfigError, ModelConfig
     from .generation import generate
     from .interop import InteropError, from_hf, to_hf
+    from .io.checkpoint import CheckpointError, save
+    from .io.tokenization import Tokenizer, load_tokenizer, train_tokenizer
+    from .jobs.pretrain import load_run_config, pretrain
     from .loading import Pretrained, load, load_pretrained
     from .model import KVCache, ModelOutput, TransformerLM, build_model, count_parameters
     from .presets import PRESETS, get_preset, preset_names
-    from .pretrain import load_run_config, pretrain
     from .runconfig import RunConfig
-    from .tokenization import Tokenizer, load_tokenizer, train_tokenizer

@@ -28,8 +28,8 @@ from typing import Literal
 
 import torch
 
-from .checkpoint import CONFIG_NAME, TASK_FILE, CheckpointError
 from .config import ConfigError
+from .io.checkpoint import CONFIG_NAME, TASK_FILE, CheckpointError
 
 FolderKind = Literal["pretune", "transformers", "adapter"]
 
@@ -41,7 +41,7 @@ class Pretrained:
     """What :func:`load_pretrained` returns."""
 
     model: torch.nn.Module  # a TransformerLM in eval mode (an adapter folder: its base with the adapter active)
-    tokenizer: object | None  # pretune.tokenization.Tokenizer, or None when not asked for and not found
+    tokenizer: object | None  # pretune.io.tokenization.Tokenizer, or None when not asked for and not found
     task: dict | None  # the folder's task.json (a finetuned model or adapter), None when it has none
     kind: FolderKind  # what the folder was
     path: Path  # the folder itself
@@ -92,13 +92,13 @@ def _model(path: Path, kind: FolderKind):
         from .interop import from_hf
 
         return from_hf(path)
-    from .checkpoint import load as load_checkpoint
+    from .io.checkpoint import load as load_checkpoint
 
     return load_checkpoint(path)
 
 
 def _tokenizer(sources: list[Path | str], required: bool, what: Path):
-    from .tokenization import Tokenizer, TokenizerError
+    from .io.tokenization import Tokenizer, TokenizerError
 
     errors = []
     for src in sources:
@@ -215,9 +215,9 @@ def build_run_model(spec: dict, *, tokenizer: str | os.PathLike = "", head: dict
         seed: torch's seed, set before any weight is drawn.
         log: where the changes to a model from ``init`` are reported.
     """
+    from .io.tokenization import Tokenizer
     from .model import TransformerLM
     from .runconfig import RunConfig
-    from .tokenization import Tokenizer
 
     init = spec.get("init")
     if not init and not spec.get("preset"):
@@ -258,7 +258,7 @@ def build_run_model(spec: dict, *, tokenizer: str | os.PathLike = "", head: dict
 
 def _with_overrides(model, overrides: dict, init) -> torch.nn.Module:
     """``model`` with the config fields of ``overrides`` that differ from its own, its weights kept (or itself)."""
-    from .checkpoint import empty_parameters, load_state, unique_state
+    from .io.checkpoint import empty_parameters, load_state, unique_state
     from .model import TransformerLM
 
     def shapes(config) -> dict:

@@ -6,7 +6,8 @@ dataclass (``section``), so an unknown key or a bad value is an error naming the
 owned by what it names is built by ``owned_section`` from its owner's Settings: ``objective`` by each objective
 (``pretune.objectives``: ``objective_settings``), ``task`` by each task (``pretune.tasks``: ``task_settings``),
 ``peft`` by the PEFT methods (``pretune.peft.config``: ``peft_settings``); the other finetuning sections are
-``pretune.finetune``'s, and ``pretune.pretrain.load_run_config`` assembles a pretraining run. No torch import here.
+``pretune.jobs.finetune``'s, and ``pretune.jobs.pretrain.load_run_config`` assembles a pretraining run. No torch
+import here.
 """
 
 from __future__ import annotations

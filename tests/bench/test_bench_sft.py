@@ -16,7 +16,7 @@ def smollm2():
 
 
 def test_batch_is_full_rows_of_chat_with_labels_on_the_answers():
-    from pretune.tokenization import Tokenizer
+    from pretune.io.tokenization import Tokenizer
 
     folder = smollm2()
     batch = build_batch(folder, 2, 128)

@@ -579,8 +579,8 @@ def test_cli_errors_are_messages(ckpt, capsys):
 @pytest.mark.slow
 def test_smollm2_greedy_equals_transformers():
     from pretune.generation.scoring import prompt_ids
+    from pretune.io.tokenization import Tokenizer
     from pretune.realmodels import smollm2_dir
-    from pretune.tokenization import Tokenizer
 
     try:
         folder = smollm2_dir()

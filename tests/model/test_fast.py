@@ -246,7 +246,7 @@ def test_frozen_fused_linears_are_views_of_their_stack_held_once(bias, tmp_path)
 
     from safetensors.torch import load_file, save_file
 
-    from pretune.checkpoint import owned
+    from pretune.io.checkpoint import owned
     from pretune.model.fast.linears import FusedLinears
 
     layers = _three_linears(bias, frozen=True)

@@ -89,7 +89,7 @@ def test_a_task_head_replaces_it_and_keeps_the_pooler():
 
 
 def test_checkpoints_keep_it(tmp_path):
-    from pretune.checkpoint import save
+    from pretune.io.checkpoint import save
 
     model = perturbed(build_model(tiny()))
     save(model, tmp_path / "ckpt")

@@ -15,10 +15,10 @@ import pretune
 from pretune.data.packing import Block, pack_blocks
 from pretune.data.readers import iter_documents
 from pretune.data.store import build_store
+from pretune.io.tokenization import Tokenizer
 from pretune.objectives import IGNORE, build_objective, objective_settings, t5
 from pretune.objectives.encoder import Electra
 from pretune.runconfig import TrainConfig
-from pretune.tokenization import Tokenizer
 from pretune.train.loop import ExampleSet, Trainer
 
 MAX_SEQ_LEN = 64  # tiny models read at most 64 positions, so NSP/SOP pairs get truncated

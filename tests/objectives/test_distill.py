@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from pretune import build_model
 from pretune.config import ConfigError
+from pretune.io.tokenization import Tokenizer
 from pretune.objectives import IGNORE, build_objective, objective_settings
 from pretune.objectives.distill import distill_kl, init_every_other
-from pretune.tokenization import Tokenizer
 
 
 def _kl_direct(student, teacher, t):

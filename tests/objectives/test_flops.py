@@ -12,9 +12,9 @@ import pretune
 from pretune.data.packing import pack_blocks
 from pretune.data.readers import iter_documents
 from pretune.data.store import build_store
+from pretune.io.tokenization import Tokenizer
 from pretune.objectives import IGNORE, build_objective, objective_settings
 from pretune.objectives.flops import step_flops
-from pretune.tokenization import Tokenizer
 
 SEQ = 32  # model positions; blocks fill them, so every row is full (no padding)
 BATCH = 4

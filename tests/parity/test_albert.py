@@ -281,7 +281,7 @@ def test_exports_that_albert_cannot_hold_say_why(tmp_path):
 
 def test_sop_run_exports_as_albert_for_pretraining(tmp_path, small_corpus, tokenizers_by_kind):
     from pretune.cli import main
-    from pretune.pretrain import load_run_config, pretrain
+    from pretune.jobs.pretrain import load_run_config, pretrain
 
     cfg = load_run_config(overrides=[
         "model.preset=tiny-albert-base", "objective.name=sop", f"tokenizer={tokenizers_by_kind['wordpiece']}",

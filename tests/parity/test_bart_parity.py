@@ -393,7 +393,7 @@ def test_bart_denoise_config_pretrains_and_exports_to_transformers(tmp_path, sma
     from pathlib import Path
 
     from pretune.cli import main
-    from pretune.pretrain import load_run_config, pretrain
+    from pretune.jobs.pretrain import load_run_config, pretrain
 
     config = Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "bart-denoise.yaml"
     cfg = load_run_config(config, [
@@ -426,9 +426,9 @@ def test_a_finetuned_bart_exports_to_its_transformers_class(name, arch, tmp_path
     model generates; each exports to transformers' class with the same outputs."""
     from pathlib import Path
 
-    from pretune.checkpoint import save
-    from pretune.finetune import finetune, load_finetune_config
-    from pretune.tokenization import Tokenizer
+    from pretune.io.checkpoint import save
+    from pretune.io.tokenization import Tokenizer
+    from pretune.jobs.finetune import finetune, load_finetune_config
 
     tok = Tokenizer.load(tokenizers_by_kind["bpe"])
     torch.manual_seed(0)

@@ -245,7 +245,7 @@ def test_exports_without_an_equivalent_are_refused(overrides, match, tmp_path):
 def test_mlm_pretraining_run_exports_to_transformers(tmp_path, small_corpus, tokenizers_by_kind):
     """A few steps of `pretune pretrain` (MLM) on tiny-deberta-v3-base; the checkpoint exports to a folder
     DebertaV2ForMaskedLM loads with the same logits."""
-    from pretune.pretrain import load_run_config, pretrain
+    from pretune.jobs.pretrain import load_run_config, pretrain
 
     cfg = load_run_config(overrides=[
         "model.preset=tiny-deberta-v3-base", "objective.name=mlm", f"tokenizer={tokenizers_by_kind['wordpiece']}",

@@ -318,8 +318,8 @@ def test_labels_loss_equals_transformers(pair):
 def test_sft_loss_on_completion_only_labels_equals_transformers(pair, tokenizers_by_kind):
     """The SFT task's loss (LM head on the labelled rows only) on prompt/completion-style labels (-100 on each row's
     prompt and padding) equals transformers' loss on the same ids and labels."""
+    from pretune.io.tokenization import Tokenizer
     from pretune.tasks import TaskConfig, build_task
-    from pretune.tokenization import Tokenizer
 
     hf, _, ours = pair
     task = build_task(TaskConfig(name="sft"), ours.config, Tokenizer.load(tokenizers_by_kind["bpe"]))

@@ -241,7 +241,7 @@ def test_exports_that_electra_cannot_hold_say_why(tmp_path):
 # -- an ELECTRA pretraining run exports both of its models ----------------------------------------------------------
 
 def test_electra_run_exports_discriminator_and_generator(tmp_path, small_corpus, tokenizers_by_kind):
-    from pretune.pretrain import load_run_config, pretrain
+    from pretune.jobs.pretrain import load_run_config, pretrain
 
     cfg = load_run_config(overrides=[
         "model.preset=tiny-electra-small", "objective.name=electra", f"tokenizer={tokenizers_by_kind['wordpiece']}",

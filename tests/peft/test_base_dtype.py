@@ -20,11 +20,11 @@ import torch
 import pretune
 from conftest import corpus_paragraphs
 from pretune import peft
-from pretune.checkpoint import read_weights
 from pretune.config import ConfigError
-from pretune.finetune import evaluate, finetune, load_finetune_config, prepare
+from pretune.io.checkpoint import read_weights
+from pretune.io.tokenization import Tokenizer
+from pretune.jobs.finetune import evaluate, finetune, load_finetune_config, prepare
 from pretune.runconfig import check_resume
-from pretune.tokenization import Tokenizer
 
 HERE = Path(__file__).resolve().parents[1]
 KILL = HERE / "helpers" / "kill_run.py"

@@ -93,7 +93,7 @@ def test_bitfit_on_the_real_minilm_reaches_095(tmp_path):
     """The issue's bar: BitFit with its documented default learning rate (1e-3, no --lr) on the real MiniLM and
     the whole sms_spam set reaches >= 0.95 test accuracy (measured: 0.9802 in 3 epochs, 83 s on 2 cores)."""
     from pretune import bundled
-    from pretune.finetune import finetune, load_finetune_config
+    from pretune.jobs.finetune import finetune, load_finetune_config
     from pretune.realmodels import minilm_dir
 
     try:

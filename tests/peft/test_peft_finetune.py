@@ -12,8 +12,8 @@ import pretune
 from conftest import corpus_paragraphs
 from pretune.cli import main
 from pretune.config import ConfigError
-from pretune.finetune import evaluate, finetune, load_finetune_config
-from pretune.tokenization import Tokenizer
+from pretune.io.tokenization import Tokenizer
+from pretune.jobs.finetune import evaluate, finetune, load_finetune_config
 
 
 def _write(path, rows):

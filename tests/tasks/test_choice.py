@@ -12,10 +12,10 @@ import torch
 import pretune
 from conftest import corpus_paragraphs
 from pretune.config import ConfigError
-from pretune.finetune import evaluate, finetune, load_finetune_config
+from pretune.io.tokenization import Tokenizer
+from pretune.jobs.finetune import evaluate, finetune, load_finetune_config
 from pretune.tasks import TaskConfig, build_task
 from pretune.tasks.base import Record
-from pretune.tokenization import Tokenizer
 
 RECORDS = [Record("r:1", {"text": "the film was a delight", "label": "pos"}),
            Record("r:2", {"text": "dull and far too long", "label": "neg"}),

@@ -13,10 +13,10 @@ import pretune
 from conftest import corpus_paragraphs
 from pretune import bundled
 from pretune.data.readers import DataError
-from pretune.finetune import evaluate, finetune, load_finetune_config
+from pretune.io.tokenization import Tokenizer
+from pretune.jobs.finetune import evaluate, finetune, load_finetune_config
 from pretune.tasks import TASKS, TaskConfig, build_task
 from pretune.tasks.base import Record
-from pretune.tokenization import Tokenizer
 
 RECORDS = [Record("r:1", {"text": "run", "label": ["noun", "verb"]}),
            Record("r:2", {"text": "quickly", "label": ["adv"]}),

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from pretune.data.readers import DataError
+from pretune.io.tokenization import Tokenizer
 from pretune.tasks.qa_spans import best_span, decode_answer, find_answer, qa_features, top_spans
-from pretune.tokenization import Tokenizer
 
 CONTEXT = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. It was designed by the engineering "
            "company of Gustave Eiffel, and it stood as the tallest structure in the world for forty-one years.")

@@ -13,12 +13,12 @@ import torch
 from test_train_tasks import first_word_records, run, sentences, write_splits  # noqa: F401 (fixture)
 
 from pretune.data.readers import DataError
+from pretune.io.tokenization import Tokenizer
 from pretune.model import TransformerLM
 from pretune.model.layout import IGNORE
 from pretune.presets import get_preset
 from pretune.tasks import TaskConfig, build_task
 from pretune.tasks.base import Record
-from pretune.tokenization import Tokenizer
 
 CHAT = [{"role": "system", "content": "You classify text messages."},
         {"role": "user", "content": "Is this spam? WINNER!! Claim your free prize now, call 0800 123 456"},
@@ -197,7 +197,7 @@ def test_packed_rows_give_the_losses_and_gradients_of_single_examples(preset, to
 
 def test_packing_is_refused_where_it_cannot_work(tmp_path, tokenizers_by_kind):
     from pretune.config import ConfigError
-    from pretune.finetune import load_finetune_config, prepare
+    from pretune.jobs.finetune import load_finetune_config, prepare
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"sentence {i}", "label": "a" if i % 2 else "b"}) + "\n"
@@ -206,7 +206,7 @@ def test_packing_is_refused_where_it_cannot_work(tmp_path, tokenizers_by_kind):
             f"train.out={tmp_path / 'r'}", "data.packing=true"]
     with pytest.raises(ConfigError, match="packs training examples of task sft"):
         prepare(load_finetune_config(None, [*base, "task.name=classification"]), show_progress=False, log=print)
-    from pretune.checkpoint import save
+    from pretune.io.checkpoint import save
 
     tok = Tokenizer.load(tokenizers_by_kind["bpe"])
     init = save(TransformerLM(get_preset("tiny-gpt2", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id)),
@@ -248,7 +248,7 @@ def test_sft_trains(form, tmp_path, sentences, tokenizers_by_kind):  # noqa: F81
 
 def test_a_finetuned_chat_model_keeps_its_template_and_end_of_turn(tmp_path, smol):
     model, tok = smol
-    from pretune.checkpoint import save
+    from pretune.io.checkpoint import save
 
     save(model, tmp_path / "m", tokenizer=tok)
     again = Tokenizer.load(tmp_path / "m")

@@ -12,6 +12,7 @@ import torch
 
 from pretune.config import ConfigError
 from pretune.data.readers import DataError
+from pretune.io.tokenization import Tokenizer
 from pretune.model import TransformerLM
 from pretune.objectives.base import IGNORE
 from pretune.presets import get_preset
@@ -19,7 +20,6 @@ from pretune.tasks import TaskConfig, build_task
 from pretune.tasks.base import Layout, Record
 from pretune.tasks.classify import Classification, Pair, Regression
 from pretune.tasks.tagging import Tagging
-from pretune.tokenization import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_tagging_predictions_align_with_words_when_words_are_cut(toks):
     kept = int((first >= 0).sum())
     assert pred == ["I-PER"] * kept + ["O"] * (len(WORDS) - kept)
     # and through a real model and the batching of finetune.run_outputs (padding trimmed per example)
-    from pretune.finetune import encode_records, run_outputs
+    from pretune.jobs.finetune import encode_records, run_outputs
 
     records = [rec, Record("t:2", {"tokens": WORDS[:2], "tags": WORD_TAGS[:2]})]
     feats = encode_records(task, records)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import corpus_paragraphs
-from pretune.finetune import evaluate, finetune, load_finetune_config, predict
+from pretune.jobs.finetune import evaluate, finetune, load_finetune_config, predict
 
 _SPLIT = re.compile(r"(?<!\bMr\.)(?<!\bMrs\.)(?<!\bDr\.)(?<!\bSt\.)(?<=[.!?])\s+")  # sentence ends, not "Mr. Elton"
 
@@ -159,7 +159,7 @@ QA_MIN_LATE_FOUND = 0.6
 
 
 def test_qa_trains_with_sliding_windows_and_no_answer(tmp_path, sentences, tokenizers_by_kind):
-    from pretune.finetune import load_finetuned
+    from pretune.jobs.finetune import load_finetuned
     from pretune.tasks.base import Record
 
     records = qa_records(sentences, 950)
@@ -216,10 +216,10 @@ def t5_checkpoint(path: Path, tokenizer: str) -> Path:
     k, v ~ d^-1/2, embeddings ~ 1) for non-flat attention. With the uniform std 0.02 of ``TransformerLM``'s
     default init the attention logits start ~0.03 and a from-scratch T5 needs thousands of steps to learn to
     copy; this one learns the fixture in a few hundred, like the decoders."""
-    from pretune.checkpoint import save
+    from pretune.io.checkpoint import save
+    from pretune.io.tokenization import Tokenizer
     from pretune.model import TransformerLM
     from pretune.presets import get_preset
-    from pretune.tokenization import Tokenizer
 
     tok = Tokenizer.load(tokenizer)
     cfg = get_preset("tiny-t5-small", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id,

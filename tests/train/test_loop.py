@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from pretune.checkpoint import read_weights
-from pretune.pretrain import load_run_config, prepare, pretrain
+from pretune.io.checkpoint import read_weights
+from pretune.jobs.pretrain import load_run_config, prepare, pretrain
 from pretune.train.loop import Trainer, TrainingDiverged
 from pretune.train.state import list_checkpoints
 

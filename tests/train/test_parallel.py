@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretune.checkpoint import read_weights
-from pretune.pretrain import load_run_config, prepare
+from pretune.io.checkpoint import read_weights
+from pretune.jobs.pretrain import load_run_config, prepare
 from pretune.train.loop import Trainer
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "kill_run.py"

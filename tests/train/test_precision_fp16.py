@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from pretune.pretrain import load_run_config, prepare, pretrain
+from pretune.jobs.pretrain import load_run_config, prepare, pretrain
 from pretune.train.loop import Trainer
 
 

@@ -4,7 +4,7 @@ Each run is one Python process (:func:`pretune.bench.common.spawn_worker`); the 
 which goes first, for several rounds. Both sides get the same model (sentence-transformers/all-MiniLM-L6-v2,
 ``pretune.realmodels.minilm_dir()``), the same records and the same hyperparameters:
 
-* pretune: :func:`pretune.finetune.finetune`, task classification (BERT pooler -> dropout -> linear, as
+* pretune: :func:`pretune.jobs.finetune.finetune`, task classification (BERT pooler -> dropout -> linear, as
   ``BertForSequenceClassification``), ``tune.epochs`` epochs, one dev evaluation at the end, no checkpoints
   (``train.keep_last=0``), TensorBoard and plot off; its own length-bucketed batches.
 * transformers: ``AutoModelForSequenceClassification.from_pretrained(..., num_labels, id2label, label2id)``,
@@ -23,7 +23,7 @@ sets it; it is set for transformers too, which can only help that side).
 
 What is timed (wall clock, ``time.perf_counter``), on each side:
 
-* pretune: ``FinetuneResult.seconds``, i.e. ``Trainer.fit()`` in :func:`pretune.finetune.finetune`: every
+* pretune: ``FinetuneResult.seconds``, i.e. ``Trainer.fit()`` in :func:`pretune.jobs.finetune.finetune`: every
   optimizer step (batching, collation, forward, backward, clipping, AdamW, schedule), the metrics log,
   and the single end-of-training evaluation on dev (forward passes + accuracy, F1, ...).
 * transformers: ``trainer.train()`` (which includes building its optimizer, scheduler and dataloader)
@@ -77,7 +77,7 @@ class Job:
 
 def n_steps(n_train: int, job: Job) -> int:
     """Optimizer steps of ``job``: whole batches per epoch (the last partial one dropped) times epochs,
-    the rule of :func:`pretune.finetune.finetune`."""
+    the rule of :func:`pretune.jobs.finetune.finetune`."""
     import math
 
     return math.ceil(max(1, n_train // job.batch) * job.epochs)
@@ -94,7 +94,7 @@ def _peak_rss_mb() -> float:
 def _run_pretune(job: Job, run_dir: str) -> dict:
     from omegaconf import OmegaConf
 
-    from ..finetune import finetune, load_finetune_config
+    from ..jobs.finetune import finetune, load_finetune_config
 
     base = {
         "model": {"init": job.model},
@@ -252,7 +252,7 @@ def bench_finetune(*, data=None, model=None, dtypes=("fp32",), rounds: int = 3, 
     if limit and limit < batch:
         raise ValueError(f"limit ({limit}) must be at least one batch ({batch})")
     if model is None:
-        from ..realmodels import minilm_dir
+        from ..io.realmodels import minilm_dir
 
         model = minilm_dir()
     folder = Path(data) if data is not None else DEFAULT_DATA

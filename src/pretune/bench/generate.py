@@ -152,7 +152,7 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
     if new_tokens < 1 or prompt_len < 1:
         raise ValueError(f"prompt_len ({prompt_len}) and new_tokens ({new_tokens}) must be >= 1")
     if model is None:
-        from ..realmodels import smollm2_dir
+        from ..io.realmodels import smollm2_dir
 
         model = smollm2_dir()
     if not (Path(model) / "config.json").is_file():

@@ -120,10 +120,10 @@ class _PretuneRun:
     def __init__(self, job: Job, run_dir: str, record: list | None):
         import numpy as np
 
+        from ..io.tokenization import Tokenizer
         from ..model import build_model
         from ..objectives import build_objective, objective_settings
         from ..runconfig import TrainConfig
-        from ..tokenization import Tokenizer
         from ..train.loop import ExampleSet, Trainer
 
         tok = Tokenizer.load(job.tokenizer)
@@ -161,7 +161,7 @@ class _TransformersRun:
         import torch
         import transformers as T
 
-        from ..tokenization import Tokenizer
+        from ..io.tokenization import Tokenizer
 
         tok = Tokenizer.load(job.tokenizer)  # the store's ids; only [CLS]/[SEP] are needed here
         hf_tok = T.AutoTokenizer.from_pretrained(job.tokenizer)
@@ -261,7 +261,7 @@ def build_bench_store(sources, tokenizer_dir, cache_dir, *, fresh: bool = True, 
     """
     from ..data.readers import count_bytes, expand_sources, iter_documents
     from ..data.store import build_store
-    from ..tokenization import Tokenizer, tokenizer_sha
+    from ..io.tokenization import Tokenizer, tokenizer_sha
 
     tok = Tokenizer.load(tokenizer_dir)
     paths = expand_sources(sources)
@@ -309,7 +309,7 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
     if seq < 4:
         raise ValueError(f"seq ({seq}) must be >= 4 ([CLS] + at least 2 tokens + [SEP])")
     if tokenizer is None:
-        from ..realmodels import minilm_dir
+        from ..io.realmodels import minilm_dir
 
         tokenizer = minilm_dir()
     if corpus is None:

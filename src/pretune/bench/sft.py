@@ -132,7 +132,7 @@ def _train_step_fn(job: Job, folder, batch):
 def run_worker(job: Job) -> dict:
     import torch
 
-    from ..realmodels import smollm2_dir
+    from ..io.realmodels import smollm2_dir
 
     if job.threads:
         torch.set_num_threads(job.threads)
@@ -258,7 +258,7 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
     import numpy as np
     from tqdm import tqdm
 
-    from ..realmodels import smollm2_dir
+    from ..io.realmodels import smollm2_dir
 
     impls = tuple(impls)
     samples: dict[tuple, list[dict]] = {}

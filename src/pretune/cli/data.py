@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def cmd_tokenizer_train(args) -> int:
-    from ..outputs import check_file
-    from ..tokenization import train_tokenizer
+    from ..io.outputs import check_file
+    from ..io.tokenization import train_tokenizer
 
     out = Path(args.out)
     check_file(out if out.suffix == ".json" and not out.is_dir() else out / "tokenizer.json",
@@ -27,7 +27,7 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_tokenizer_encode(args) -> int:
-    from ..tokenization import Tokenizer
+    from ..io.tokenization import Tokenizer
 
     tok = Tokenizer.load(args.tokenizer)
     for text in args.texts:
@@ -39,7 +39,7 @@ def cmd_tokenizer_encode(args) -> int:
 
 def cmd_data_clean(args) -> int:
     from ..data.clean import RULES, CleanConfig, clean_files
-    from ..outputs import check_file
+    from ..io.outputs import check_file
 
     check_file(args.out, overwrite=args.overwrite, what="cleaned text file")
     if args.report:
@@ -62,12 +62,12 @@ def cmd_data_tokenize(args) -> int:
 
     from ..data.readers import count_bytes, expand_sources, iter_documents
     from ..data.store import build_store, store_stats
-    from ..tokenization import Tokenizer, tokenizer_sha
+    from ..io.tokenization import Tokenizer, tokenizer_sha
 
     out = Path(args.out)
     is_store = (out / "progress.json").is_file() or (out / "meta.json").is_file()  # a store's own build resumes
     if not is_store:
-        from ..outputs import check_folder
+        from ..io.outputs import check_folder
 
         check_folder(out, overwrite=args.overwrite, what="token store")
     tok = Tokenizer.load(args.tokenizer)

@@ -1,5 +1,5 @@
 """``pretune embed``: embed the texts of a file (.npy / .jsonl), or rank pairs of them by cosine (--similarity).
-The embedding itself is :mod:`pretune.embed`."""
+The embedding itself is :mod:`pretune.jobs.embed`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..outputs import write_atomic
+from ..io.outputs import write_atomic
 
 
 def _write_jsonl(path: Path, rows) -> None:
@@ -52,7 +52,8 @@ def cmd_embed(args) -> int:
     """``pretune embed``: embed the texts of a file, or rank pairs of them by cosine (``--similarity``)."""
     import numpy as np
 
-    from ..embed import (
+    from ..io.outputs import check_file
+    from ..jobs.embed import (
         _MAX_ALL_PAIRS,
         _PROGRESS_MIN,
         _check_pooling,
@@ -63,7 +64,6 @@ def cmd_embed(args) -> int:
         read_pairs,
         read_texts,
     )
-    from ..outputs import check_file
 
     kind = _out_kind(args.out, args.similarity)
     if args.out:

@@ -1,4 +1,4 @@
-"""Command-line flags that are config keys, one table per command: ``--lr 1e-3`` is ``train.lr=1e-3``.
+"""Command-line flags that are config keys, one table per run command: ``--lr 1e-3`` is ``train.lr=1e-3``.
 
 Each flag is declared once with the key it sets; the parser gets it with its help (the key named in it), and
 the flags given become one config layer (above the YAML file, below ``section.key=value`` overrides).
@@ -108,3 +108,10 @@ def config_layer(args, flags: tuple[Flag, ...]) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def is_worker() -> bool:
+    """A process of a torchrun job other than the first: process 0 reports for all."""
+    import os
+
+    return int(os.environ.get("RANK", "0")) != 0

@@ -147,7 +147,7 @@ def cmd_generate(args) -> int:
 
     prompts = _read_prompts(args)
     if args.out:
-        from ..outputs import check_file
+        from ..io.outputs import check_file
 
         check_file(args.out, overwrite=args.overwrite, what="output file")
     if args.batch_size < 1:

@@ -10,9 +10,9 @@ from .. import catalog
 
 
 def cmd_merge(args) -> int:
-    from ..checkpoint import save
+    from ..io.checkpoint import save
+    from ..io.outputs import check_folder
     from ..loading import TASK_FILE, folder_kind, load_pretrained
-    from ..outputs import check_folder
     from ..peft.inject import PeftError
 
     check_folder(args.out, overwrite=args.overwrite)
@@ -24,7 +24,7 @@ def cmd_merge(args) -> int:
     save(plain, args.out, tokenizer=tok)
     task = Path(args.adapter) / TASK_FILE
     if task.is_file():
-        from ..outputs import mark
+        from ..io.outputs import mark
 
         (Path(args.out) / TASK_FILE).write_text(task.read_text())
         mark(args.out, [TASK_FILE])

@@ -196,9 +196,9 @@ def cmd_prompt(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
+    from ..io.outputs import check_file
+    from ..jobs.prompting import evaluate_cot, evaluate_labels
     from ..loading import load_pretrained
-    from ..outputs import check_file
-    from ..prompting import evaluate_cot, evaluate_labels
 
     for out in (args.out, args.json):
         if out:

@@ -254,7 +254,7 @@ def head_records(source: str | Path, dest: Path, n: int, keep=None) -> str:
     of a fast size."""
     import json
 
-    from ..outputs import write_atomic
+    from ..io.outputs import write_atomic
 
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -272,8 +272,8 @@ def head_records(source: str | Path, dest: Path, n: int, keep=None) -> str:
 def realmodel(name: str) -> str:
     """The folder of an offline real checkpoint (``minilm``, ``smollm2``) as text; a ConfigError saying how to
     install it when its package is missing."""
-    from .. import realmodels
     from ..config import ConfigError
+    from ..io import realmodels
 
     finders = {"minilm": realmodels.minilm_dir, "smollm2": realmodels.smollm2_dir}
     try:

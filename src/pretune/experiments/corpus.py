@@ -39,7 +39,7 @@ def pretraining_inputs(folder: Path, *, corpus: tuple[str, ...], heldout: float,
     """
     from .. import bundled
     from ..data.readers import iter_documents
-    from ..outputs import write_atomic
+    from ..io.outputs import write_atomic
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"train": folder / "train.txt", "heldout": folder / "heldout.txt", "tokenizer": folder / "tokenizer.json",
@@ -55,14 +55,14 @@ def pretraining_inputs(folder: Path, *, corpus: tuple[str, ...], heldout: float,
         write_atomic(paths["train"], "\n\n".join(train) + "\n", fsync=False)
         log(f"{len(train)} training and {len(held)} held-out documents -> {folder}")
     if not paths["tokenizer"].is_file():
-        from ..tokenization import train_tokenizer
+        from ..io.tokenization import train_tokenizer
 
         train_tokenizer([paths["train"]], kind=kind, vocab_size=vocab, show_progress=False).save(paths["tokenizer"])
     # the token stores every trial reads (built here once: trials running at once must not build them together);
     # a trial finds them by the same source paths (data.train, data.eval) and tokenizer
-    from ..pretrain import build_token_store
+    from ..io.tokenization import Tokenizer
+    from ..jobs.pretrain import build_token_store
     from ..runconfig import RunConfig
-    from ..tokenization import Tokenizer
 
     tok = Tokenizer.load(paths["tokenizer"])
     for split, text in (("train", paths["train"]), ("eval", paths["heldout"])):

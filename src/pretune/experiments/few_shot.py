@@ -116,7 +116,7 @@ class FewShot(Experiment):
     # inputs: the evaluation records, the two verbalizers, the fast size's tiny model
     # ------------------------------------------------------------------------------------------
     def prepare(self, size: str, folder: Path, log=print) -> dict:
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
         from .base import bundled_file
 
         r = RECIPES[size]
@@ -281,7 +281,7 @@ class FewShot(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         r = RECIPES[results.size]
         fig = Figure(figsize=(10, 4), layout="constrained")
@@ -348,7 +348,7 @@ def _tiny_model(folder: Path, pool: str) -> str:
     reused by a rerun)."""
     tok, model = folder / "tokenizer.json", folder / "model"
     if not tok.is_file():
-        from ..tokenization import train_tokenizer
+        from ..io.tokenization import train_tokenizer
 
         texts = [json.loads(line)["text"] for line in open(pool, encoding="utf-8") if line.strip()]
         texts += ["Definition: Category:", *(w for words in WORDS.values() for w in words.values())]
@@ -356,10 +356,10 @@ def _tiny_model(folder: Path, pool: str) -> str:
     if not (model / "config.json").is_file():
         import torch
 
-        from ..checkpoint import save
+        from ..io.checkpoint import save
+        from ..io.tokenization import Tokenizer
         from ..model import TransformerLM
         from ..presets import get_preset
-        from ..tokenization import Tokenizer
 
         vocab = Tokenizer.load(tok)
         torch.manual_seed(0)

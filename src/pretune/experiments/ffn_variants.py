@@ -203,7 +203,7 @@ class FfnVariants(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         fig = Figure(figsize=(9, 3.8), layout="constrained")
         axes = fig.subplots(1, 2)

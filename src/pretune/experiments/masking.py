@@ -153,9 +153,9 @@ class Masking(Experiment):
     def measure(self, size: str, sweep: Sweep, result, inputs: dict, log=print) -> bool:
         if sweep.spec["command"] != "pretrain":
             return False
+        from ..io.outputs import mark, write_atomic
+        from ..io.tokenization import Tokenizer
         from ..loading import load
-        from ..outputs import mark, write_atomic
-        from ..tokenization import Tokenizer
 
         r = RECIPES[size]
         tok = Tokenizer.load(inputs["tokenizer"])
@@ -247,7 +247,7 @@ class Masking(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         rates = sorted({p["params"]["objective.rate"] for p in results.settings("rates")})
         fig = Figure(figsize=(9, 3.6), layout="constrained")

@@ -283,7 +283,7 @@ class MlmVsElectra(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         sweeps = [s for s in TASKS if s in results.sweeps]
         if not sweeps:

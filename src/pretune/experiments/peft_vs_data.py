@@ -101,17 +101,17 @@ class PeftVsData(Experiment):
         if not tok.is_file():  # the tiny model's own vocabulary, from the training texts
             import json
 
-            from ..tokenization import train_tokenizer
+            from ..io.tokenization import train_tokenizer
 
             texts = [json.loads(line)["text"] for line in open(bundled_file(f"{TASK}/train.jsonl"), encoding="utf-8")]
             train_tokenizer(texts=texts, kind="wordpiece", vocab_size=400, show_progress=False).save(tok)
         if not (model / "config.json").is_file():  # a randomly initialised tiny "checkpoint" for PEFT to wrap
             import torch
 
-            from ..checkpoint import save
+            from ..io.checkpoint import save
+            from ..io.tokenization import Tokenizer
             from ..model import TransformerLM
             from ..presets import get_preset
-            from ..tokenization import Tokenizer
 
             vocab = Tokenizer.load(tok)
             torch.manual_seed(0)
@@ -189,7 +189,7 @@ class PeftVsData(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         sweeps = list(results.sweeps)
         fig = Figure(figsize=(6.5, 4.2), layout="constrained")

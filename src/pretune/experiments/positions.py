@@ -79,7 +79,7 @@ class Positions(Experiment):
     def prepare(self, size: str, folder: Path, log=print) -> dict:
         from .. import bundled
         from ..data.readers import iter_documents
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         r = RECIPES[size]
         folder.mkdir(parents=True, exist_ok=True)
@@ -96,14 +96,14 @@ class Positions(Experiment):
             write_atomic(paths["train"], "\n\n".join(train) + "\n", fsync=False)
             log(f"positions: {len(train)} training and {len(held)} held-out documents -> {folder}")
         if not paths["tokenizer"].is_file():
-            from ..tokenization import train_tokenizer
+            from ..io.tokenization import train_tokenizer
 
             tok = train_tokenizer([paths["train"]], kind="bpe", vocab_size=r["vocab"], show_progress=False)
             tok.save(paths["tokenizer"])
         # the token store every trial reads (built here once: trials running at once must not build it together)
-        from ..pretrain import build_token_store
+        from ..io.tokenization import Tokenizer
+        from ..jobs.pretrain import build_token_store
         from ..runconfig import RunConfig
-        from ..tokenization import Tokenizer
 
         build_token_store(RunConfig(), Tokenizer.load(paths["tokenizer"]), [str(paths["train"].resolve())],
                           paths["store"] / "train", show_progress=False)
@@ -136,8 +136,8 @@ class Positions(Experiment):
     # measuring: perplexity of each trained model at each length
     # ------------------------------------------------------------------------------------------
     def measure(self, size: str, sweep: Sweep, result, inputs: dict, log=print) -> bool:
+        from ..io.outputs import mark, write_atomic
         from ..loading import load
-        from ..outputs import mark, write_atomic
 
         tokens = None
         n_tokens = RECIPES[size]["windows"] * max(_lengths())
@@ -222,7 +222,7 @@ class Positions(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         lengths = _lengths()
         fig = Figure(figsize=(6.5, 4.2), layout="constrained")
@@ -273,7 +273,7 @@ def heldout_tokens(text_file: str, tokenizer: str, n_tokens: int):
     import numpy as np
 
     from ..data.readers import iter_documents
-    from ..tokenization import Tokenizer
+    from ..io.tokenization import Tokenizer
 
     tok = Tokenizer.load(tokenizer)
     sep = tok.eos_id if tok.eos_id is not None else tok.sep_id

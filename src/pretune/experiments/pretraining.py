@@ -35,15 +35,15 @@ def shared_corpus(folder: Path, files: list[str], *, kind: str, vocab: int, spec
     Args:
         folder: the experiment's ``inputs/`` folder.
         files: the corpus files (``corpus_files``); the trials' ``data.train`` must list the same paths.
-        kind, vocab, specials: ``pretune.tokenization.train_tokenizer``'s (wordpiece with BERT specials for
+        kind, vocab, specials: ``pretune.io.tokenization.train_tokenizer``'s (wordpiece with BERT specials for
             encoders; unigram with T5's specials and sentinels for T5).
 
     Returns:
         ``{"tokenizer": path, "store": folder}`` as text, for the trials' ``tokenizer`` and ``data.store``.
     """
-    from ..pretrain import build_token_store
+    from ..io.tokenization import Tokenizer, train_tokenizer
+    from ..jobs.pretrain import build_token_store
     from ..runconfig import RunConfig
-    from ..tokenization import Tokenizer, train_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     tok_file, store = folder / "tokenizer.json", folder / "store"
@@ -70,8 +70,8 @@ def step_flops(base: dict, *, batches: int = BATCHES, seed: int = 0) -> dict:
     import numpy as np
     import torch
 
+    from ..jobs.pretrain import load_run_config, prepare
     from ..objectives.flops import step_flops as count
-    from ..pretrain import load_run_config, prepare
 
     cfg = load_run_config(base=base)
     with torch.random.fork_rng(devices=[]):
@@ -99,7 +99,7 @@ def step_flops(base: dict, *, batches: int = BATCHES, seed: int = 0) -> dict:
 
 def cached_step_flops(base: dict, folder: Path, *, batches: int = BATCHES, log=print) -> dict:
     """``step_flops(base, batches=batches)``, kept in ``folder/flops-<hash>.json`` so a rerun reuses it."""
-    from ..outputs import write_atomic
+    from ..io.outputs import write_atomic
 
     key = hashlib.sha256(json.dumps([base, batches], sort_keys=True, default=str).encode()).hexdigest()[:12]
     path = folder / f"flops-{key}.json"
@@ -120,7 +120,7 @@ def measure_compute(result, flops_per_step, log=print) -> bool:
     trial's ``run.yaml`` (a finished run ran all of them). ``flops_per_step``: a number, or a function of the trial's
     row (results.jsonl's: its ``params``) when the sweep's trials differ (a grid over ``objective.name``). Returns
     whether anything was written."""
-    from ..outputs import mark, write_atomic
+    from ..io.outputs import mark, write_atomic
 
     wrote = False
     for row in result.rows:
@@ -168,8 +168,8 @@ def save_random_init(base: dict, seed: int, folder: Path) -> None:
     in ``folder``: the no-pretraining reference."""
     import torch
 
-    from ..checkpoint import save
-    from ..pretrain import load_run_config, prepare
+    from ..io.checkpoint import save
+    from ..jobs.pretrain import load_run_config, prepare
 
     cfg = load_run_config(base={**base, "train": {**base["train"], "seed": seed}})
     with torch.random.fork_rng(devices=[]):

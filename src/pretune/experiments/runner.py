@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, _did_you_mean
-from ..outputs import MARKER, check_folder, claim, clean_run_folder, owned_entries, write_atomic
+from ..io.outputs import MARKER, check_folder, claim, clean_run_folder, owned_entries, write_atomic
 from .base import CONFIRMED, SIZES, Experiment, Finding, Results, Sweep
 
 STATE_FILE = "experiment.json"

@@ -234,7 +234,7 @@ class T5Objectives(Experiment):
     def figure(self, results: Results, path: Path) -> Path | None:
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         present = [o for o in OBJECTIVES if self._values(results, o)]
         if not present:

@@ -84,10 +84,10 @@ class WarmupBatch(Experiment):
     def prepare(self, size: str, folder: Path, log=print) -> dict:
         from .. import bundled
         from ..data.readers import iter_documents
-        from ..outputs import write_atomic
-        from ..pretrain import build_token_store
+        from ..io.outputs import write_atomic
+        from ..io.tokenization import Tokenizer, train_tokenizer
+        from ..jobs.pretrain import build_token_store
         from ..runconfig import RunConfig
-        from ..tokenization import Tokenizer, train_tokenizer
 
         r = RECIPES[size]
         folder.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,7 @@ class WarmupBatch(Experiment):
 
         from matplotlib.figure import Figure
 
-        from ..outputs import write_atomic
+        from ..io.outputs import write_atomic
 
         r = RECIPES[results.size]
         lr = max(r["high_lr"])

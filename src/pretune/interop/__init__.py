@@ -19,8 +19,16 @@ from types import ModuleType
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, empty_parameters, load_state, owned, read_weights, unique_state
 from ..config import TASK_HEADS, ModelConfig
+from ..io.checkpoint import (
+    CheckpointError,
+    atomic_folder,
+    empty_parameters,
+    load_state,
+    owned,
+    read_weights,
+    unique_state,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "spiece.model", "spm.model", "added_tokens.json")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpoint import unique_state
 from ..config import ConfigError
+from ..io.checkpoint import unique_state
 from ..model.attention import Attention
 from ..model.transformer import Block
 from .layers import PEFT_PARTS, PeftLinear, PeftState

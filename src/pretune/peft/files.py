@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CheckpointError, atomic_folder, read_weights
-from ..checkpoint import owned as owned_tensor
 from ..config import TASK_HEADS
+from ..io.checkpoint import CheckpointError, atomic_folder, read_weights
+from ..io.checkpoint import owned as owned_tensor
 from .config import PeftConfig
 from .core import (
     PeftError,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..outputs import MARKER, check_folder, claim, clean_run_folder, owned_entries, write_atomic
+from ..io.outputs import MARKER, check_folder, claim, clean_run_folder, owned_entries, write_atomic
 from .report import REPORT_FILES, SweepResult, trial_metrics, write_report
 from .spec import SweepSpec, Trial, check_trials, expand, load_spec, trial_command, trial_config, trial_settings
 

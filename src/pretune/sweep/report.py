@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..outputs import write_atomic
+from ..io.outputs import write_atomic
 from .spec import SweepSpec, Trial
 
 REPORT_FILES = ("results.jsonl", "results.csv", "summary.md", "curves.png", "bars.png")

@@ -86,7 +86,7 @@ def _register_resolvers() -> None:
     from ..runconfig import _bundled_path
 
     def realmodel(name: str) -> str:
-        from .. import realmodels
+        from ..io import realmodels
 
         finders = {"minilm": realmodels.minilm_dir, "smollm2": realmodels.smollm2_dir}
         if name not in finders:
@@ -439,9 +439,9 @@ def check_trials(spec: SweepSpec, trials: list[Trial]) -> None:
     if spec.command == "prompt":
         return _check_prompt(spec, trials)
     if spec.command == "pretrain":
-        from ..pretrain import load_run_config as load
+        from ..jobs.pretrain import load_run_config as load
     else:
-        from ..finetune import load_finetune_config as load
+        from ..jobs.finetune import load_finetune_config as load
     import tempfile
 
     from omegaconf.errors import OmegaConfBaseException

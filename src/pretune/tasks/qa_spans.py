@@ -41,7 +41,7 @@ import numpy as np
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..tokenization import Tokenizer
+from ..io.tokenization import Tokenizer
 
 __all__ = ["LAYOUTS", "best_span", "decode_answer", "find_answer", "qa_features", "top_spans"]
 

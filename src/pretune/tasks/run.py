@@ -22,8 +22,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..checkpoint import TASK_FILE
 from ..data.readers import DataError
+from ..io.checkpoint import TASK_FILE
 from .base import Record, TaskConfig, read_records
 
 __all__ = ["read_split", "read_splits", "subsample", "encode_records", "run_outputs", "score", "evaluate_task",
@@ -198,7 +198,7 @@ def task_json(task_cfg: TaskConfig) -> str:
 
 def save_task(path: Path, task_cfg: TaskConfig) -> None:
     """task.json beside a saved model (recorded in the folder's marker: a later --overwrite replaces it)."""
-    from ..outputs import mark
+    from ..io.outputs import mark
 
     (Path(path) / TASK_FILE).write_text(task_json(task_cfg))
     mark(path, [TASK_FILE])

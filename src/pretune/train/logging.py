@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..outputs import write_atomic
+from ..io.outputs import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError
+from ..io.checkpoint import CheckpointError
 from .dist import DistInfo, all_gather_objects, all_reduce_sum, barrier
 from .precision import resolve_precision
 from .state import clean_interrupted, list_checkpoints, load_training_state, save_training_state
@@ -464,7 +464,7 @@ class Trainer:
         file as ``run.until-step-N.yaml``, so the record of the first part stays."""
         import os
 
-        from ..outputs import mark
+        from ..io.outputs import mark
 
         path = self.run_dir / "run.yaml"
         tmp = self.run_dir / ".run.yaml.tmp"

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import (
+from ..io.checkpoint import (
     CheckpointError,
     atomic_folder,
     disk_full,

@@ -10,7 +10,7 @@ checkpoints, DDP) with keep-best and early stopping as callbacks → :func:`expo
 dev/test scores, predictions). How the run trains — all of the model, only the head, or an adapter — is decided
 once (:func:`method_for`). The finetuned model is an ordinary checkpoint (config.json with the head and label
 map, model.safetensors, tokenizer.json) plus ``task.json`` (how records become inputs), or an adapter folder;
-evaluating and predicting with it is :mod:`pretune.inference`; both run the task through :mod:`pretune.tasks.run`.
+evaluating and predicting with it is :mod:`pretune.jobs.inference`; both run the task through :mod:`pretune.tasks.run`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .config import TASK_HEADS, ConfigError
-from .inference import evaluate, load_finetuned, predict  # re-exported: finetune's API before inference.py
-from .loading import TASK_FILE
-from .peft.config import PeftConfig, base_dtype_for
-from .runconfig import TrainConfig, check_batch, check_train, merge_layers, section
-from .tasks.base import Record, TaskConfig
-from .tasks.run import (
+from ..config import TASK_HEADS, ConfigError
+from ..loading import TASK_FILE
+from ..peft.config import PeftConfig, base_dtype_for
+from ..runconfig import TrainConfig, check_batch, check_train, merge_layers, section
+from ..tasks.base import Record, TaskConfig
+from ..tasks.run import (
     encode_records,
     evaluate_task,
     format_scores,
@@ -43,7 +42,8 @@ from .tasks.run import (
     task_json,
     write_predictions,
 )
-from .train.precision import describe_device, resolve_precision
+from ..train.precision import describe_device, resolve_precision
+from .inference import evaluate, load_finetuned, predict  # re-exported: finetune's API before inference.py
 
 __all__ = ["FinetuneConfig", "FinetuneData", "TuneConfig", "FinetuneResult", "Prepared", "load_finetune_config",
            "prepare", "resolved_yaml", "finetune", "export", "method_for", "evaluate", "predict", "load_finetuned",
@@ -114,8 +114,8 @@ class FinetuneConfig:
 def _stored_as_now(stored: dict) -> dict:
     """A run.yaml's config as a run writes it now: the task and peft sections hold what applies to the task and
     methods they name (a run.yaml written before those settings moved to their owners lists every key)."""
-    from .peft.config import peft_settings
-    from .tasks import task_settings
+    from ..peft.config import peft_settings
+    from ..tasks import task_settings
 
     out = dict(stored)
     for key, build in (("task", task_settings), ("peft", peft_settings)):
@@ -128,8 +128,8 @@ def _stored_as_now(stored: dict) -> dict:
 
 def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base: dict | None = None) -> FinetuneConfig:
     """defaults ← YAML ← flags (``base``) ← ``section.key=value``, validated (unknown keys name the nearest)."""
-    from .peft.config import peft_defaults
-    from .tasks import task_defaults
+    from ..peft.config import peft_defaults
+    from ..tasks import task_defaults
 
     # the task and peft sections belong to the task and methods they name (each checks its own settings): their
     # bottom layer holds every task's and method's keys, and each section keeps those that apply
@@ -190,7 +190,7 @@ class FullMethod:
                 p.requires_grad_(name.startswith("head."))
 
     def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
-        from .checkpoint import save
+        from ..io.checkpoint import save
 
         if self.freeze_body:
             for p in model.parameters():
@@ -205,7 +205,7 @@ class AdapterMethod:
     (peft's layout for LoRA) that records its base."""
 
     def __init__(self, peft_cfg: PeftConfig):
-        from .peft import METHODS
+        from ..peft import METHODS
 
         self.cfg = peft_cfg
         self.modules = [METHODS[m] for m in peft_cfg.methods]
@@ -225,7 +225,7 @@ class AdapterMethod:
         return model_cfg.max_seq_len - (taken if model_cfg.position in ("learned", "sinusoidal") else 0)
 
     def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
-        from . import peft
+        from .. import peft
 
         self.cfg = cfg.peft  # base_dtype resolved (auto -> fp32 or bf16)
         summary = peft.inject(model, self.cfg, name="default", tokenizer=tok, seed=cfg.train.seed)
@@ -237,7 +237,7 @@ class AdapterMethod:
                               f"{self.base_bytes_saved / 1e6:.1f} MB saved; embeddings, norms and biases fp32)")
 
     def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
-        from . import peft
+        from .. import peft
 
         peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok,
                           extra_files={TASK_FILE: task_json(cfg.task)})
@@ -278,8 +278,8 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
     """Read and split the data, build the model with the task's head, set up the method (freezing, adapters),
     encode every split and resolve what the config leaves to be derived (steps from epochs, warmup, evaluation
     interval, learning rate, a batch larger than the data); ``Prepared.derived`` says how."""
-    from .loading import build_run_model
-    from .tasks import TASKS
+    from ..loading import build_run_model
+    from ..tasks import TASKS
 
     if not cfg.data.train:
         raise ConfigError("no training data: set data.train=FILE (JSONL, CSV/TSV or Parquet)")
@@ -429,9 +429,9 @@ class FinetuneResult:
 def _trainer(job: Prepared, *, show_progress: bool, log, dist=None):
     """The shared Trainer over the training features, with dev evaluation (sharded over the processes of a torchrun
     run, gathered), keep-best and early stopping."""
-    from .train.callbacks import EarlyStopping, EvalHistory, KeepBest
-    from .train.dist import DistInfo
-    from .train.loop import ExampleSet, Trainer
+    from ..train.callbacks import EarlyStopping, EvalHistory, KeepBest
+    from ..train.dist import DistInfo
+    from ..train.loop import ExampleSet, Trainer
 
     cfg, model, task, tr = job.cfg, job.model, job.task, job.cfg.train
     feats = job.features["train"]
@@ -484,7 +484,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
     Under ``torchrun`` (the same command, N processes): each process trains on its share of every batch (DDP, or
     FSDP with ``train.parallel=fsdp``) and scores its share of dev and test; process 0 alone writes and logs."""
-    from .train.dist import init_distributed, shutdown
+    from ..train.dist import init_distributed, shutdown
 
     dist = init_distributed()
     try:
@@ -497,10 +497,10 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, overwrite: bool = Fal
 
 def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_progress: bool,
               log) -> FinetuneResult:
-    from .model import count_parameters
-    from .outputs import check_folder, prepare_run_folder
-    from .train.dist import barrier
-    from .train.precision import precision_line
+    from ..io.outputs import check_folder, prepare_run_folder
+    from ..model import count_parameters
+    from ..train.dist import barrier
+    from ..train.precision import precision_line
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -547,9 +547,9 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
            log=print, dist=None) -> FinetuneResult:
     """After training: save the (best) model or adapter, score dev and test, write results.json, predictions
     and the loss plot. ``dist``: several processes score the test set together; process 0 writes."""
-    from .outputs import mark
-    from .train.callbacks import EvalHistory, KeepBest
-    from .train.dist import DistInfo, barrier
+    from ..io.outputs import mark
+    from ..train.callbacks import EvalHistory, KeepBest
+    from ..train.dist import DistInfo, barrier
 
     dist = dist or DistInfo()
 
@@ -589,7 +589,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     if dist.is_main:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         if tr.plot and (run_dir / "metrics.jsonl").is_file():
-            from .train.logging import plot_losses
+            from ..train.logging import plot_losses
 
             plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"finetune {task.name}")
         mark(run_dir, ["model", "results.json", "test_predictions.jsonl", "loss.png"])

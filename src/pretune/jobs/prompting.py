@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from .data.records import Record
-from .generation.prompt import FewShotPrompt, Verbalizer
+from ..data.records import Record
+from ..generation.prompt import FewShotPrompt, Verbalizer
 
 __all__ = ["evaluate_labels", "evaluate_cot"]
 
@@ -20,8 +20,8 @@ def evaluate_labels(model, tok, prompt: FewShotPrompt, verbalizer: Verbalizer, r
                     label_field: str = "label", progress=None, **kw) -> tuple[dict, list[dict]]:
     """Label-word classification of ``records``: (metrics, one output row per record). ``kw`` goes to
     :func:`~pretune.generation.scoring.classify`."""
-    from .generation.scoring import classify
-    from .tasks.metrics import compute
+    from ..generation.scoring import classify
+    from ..tasks.metrics import compute
 
     gold = [verbalizer.label_of(r, label_field) for r in records]
     res = classify(model, tok, prompt, verbalizer, records, progress=progress, **kw)
@@ -53,9 +53,9 @@ def evaluate_cot(model, tok, prompt: FewShotPrompt, records: Sequence[Record], *
                  progress=None, **kw) -> tuple[dict, list[dict]]:
     """Chain-of-thought (self-consistency when ``k > 1``) on ``records``: (metrics, one output row per record).
     ``kw`` goes to :func:`~pretune.generation.scoring.chain_of_thought`."""
-    from .data.records import get_field
-    from .generation.prompt import normalize_answer
-    from .generation.scoring import chain_of_thought
+    from ..data.records import get_field
+    from ..generation.prompt import normalize_answer
+    from ..generation.scoring import chain_of_thought
 
     gold = [normalize_answer(str(get_field(r, answer_field, (str, int, float), what="gold answer")))
             for r in records]

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import bundled
+from .. import bundled
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _subset(src: Path, dest: Path, n: int) -> Path:
 
 
 def _minilm() -> Path | None:
-    from .realmodels import minilm_dir
+    from ..io.realmodels import minilm_dir
 
     try:
         return minilm_dir()
@@ -151,10 +151,10 @@ def run_quickstart(out: str | Path = "runs/quickstart", *, fast: bool = False, s
             else (without it such a folder is refused).
         log: where the step headers and each job's summary lines go.
     """
+    from ..io.outputs import check_folder, claim
+    from ..io.tokenization import train_tokenizer
     from .finetune import finetune, load_finetune_config
-    from .outputs import check_folder, claim
     from .pretrain import load_run_config, pretrain
-    from .tokenization import train_tokenizer
 
     plan = FAST if fast else FULL
     out = check_folder(out, overwrite=overwrite, what="quickstart")  # its runs replace only what they wrote
@@ -236,7 +236,7 @@ def _majority(path: Path) -> float | None:
 
 
 def _load(model_dir: Path):
-    from .loading import load
+    from ..loading import load
 
     return load(model_dir)
 
@@ -262,7 +262,7 @@ def plot_quickstart(pretrain_metrics: Path, rows: list[Row], png: Path, *, major
     finetuning run over its steps (with the majority-class accuracy as a dashed line)."""
     from matplotlib.figure import Figure
 
-    from .train.logging import _ema, _series, read_metrics
+    from ..train.logging import _ema, _series, read_metrics
 
     records = read_metrics(pretrain_metrics)
     fig = Figure(figsize=(11, 4.2), dpi=110, layout="constrained")

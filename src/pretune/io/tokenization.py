@@ -115,7 +115,7 @@ def _expand_files(files: str | os.PathLike | Iterable[str | os.PathLike]) -> lis
 def _read_lines(paths: Sequence[Path], errors: str = "strict") -> Iterator[str]:
     """Lines of UTF-8 text files, plain or gzip (by the ``.gz`` suffix), without their newline; a byte that is not
     UTF-8 or a NUL byte (a binary file) is an error naming the file, line and offset, as pretraining's reader says."""
-    from .data.readers import DataError, _iter_lines
+    from ..data.readers import DataError, _iter_lines
 
     for path in paths:
         try:
@@ -511,7 +511,7 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Load a ``tokenizer.json`` file, or a folder holding one (a pretune checkpoint or a Hugging Face folder).
-        A folder with only a SentencePiece model (ALBERT, T5, DeBERTa-v3) or that file converts once (pretune.spm).
+        A folder with only a SentencePiece model (ALBERT, T5, DeBERTa-v3) or that file converts once (pretune.io.spm).
 
         Roles are inferred from known token strings; ``tokenizer_config.json`` and ``special_tokens_map.json``
         beside the file (``bos_token``, ``pad_token``, ...: a string or ``{"content": ...}``) override them. A chat
@@ -550,7 +550,7 @@ class Tokenizer:
 
     @classmethod
     def _from_spm(cls, model: Path) -> Tokenizer:
-        """A folder with only a SentencePiece model (ALBERT, T5, DeBERTa-v2/v3): converted once (``pretune.spm``)."""
+        """A folder with only a SentencePiece model (ALBERT, T5, DeBERTa-v2/v3): converted once (``pretune.io.spm``)."""
         from .spm import SentencePieceError, convert
 
         try:

@@ -6,7 +6,7 @@ writes to a folder it is given (``--out``, ``train.out``) first calls :func:`che
 * a missing or empty folder is fine;
 * a folder that holds anything else is refused, naming it and what is there, unless the user passes
   ``--overwrite``; even then only the entries pretune wrote there (its marker says which) are replaced or
-  removed, never anything else (:func:`pretune.checkpoint.atomic_folder` writes that way);
+  removed, never anything else (:func:`pretune.io.checkpoint.atomic_folder` writes that way);
 * a run folder (it holds ``run.yaml``) is never taken over silently: a new run there needs ``--overwrite``,
   continuing it needs ``--resume``.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from .config import ConfigError
+from ..config import ConfigError
 
 MARKER = ".pretune.json"
 __all__ = ["MARKER", "OutputError", "write_atomic", "check_folder", "check_file", "owned_entries", "run_entries",
@@ -190,7 +190,7 @@ def prepare_run_folder(run_dir: str | os.PathLike, config: dict, *, resume: bool
     its run.yaml only where that is allowed (runconfig.check_resume). ``writes``: more entries the run writes
     (pretraining's token store ``data``). ``stored_as_now``: the run.yaml's config as the job writes it now (a job
     whose sections changed shape reads an older run.yaml through it)."""
-    from .runconfig import check_resume
+    from ..runconfig import check_resume
 
     run_dir = check_folder(run_dir, overwrite=overwrite, resume=resume, what="run")
     if resume:

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .data.readers import DataError, iter_records
-from .tokenization import Tokenizer, TokenizerError
+from ..config import ConfigError
+from ..data.readers import DataError, iter_records
+from ..io.tokenization import Tokenizer, TokenizerError
 
 __all__ = ["POOLINGS", "load_encoder", "embed_texts", "special_tokens", "cosine_matrix", "pairwise_cosine",
            "rank_pairs", "rank_all_pairs", "read_texts", "read_pairs"]
@@ -55,13 +55,13 @@ def load_encoder(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None
         device: where the model goes.
 
     Returns:
-        ``(model, tokenizer)``: the TransformerLM in eval mode and the :class:`~pretune.tokenization.Tokenizer`.
+        ``(model, tokenizer)``: the TransformerLM in eval mode and the :class:`~pretune.io.tokenization.Tokenizer`.
 
     Raises:
         ConfigError / CheckpointError / InteropError: the folder cannot be loaded (named);
         TokenizerError: no tokenizer.json in the folder (and no ``tokenizer`` given).
     """
-    from .loading import load_pretrained
+    from ..loading import load_pretrained
 
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -98,7 +98,7 @@ def special_tokens(tok: Tokenizer, model_or_layout) -> tuple[list[int], list[int
 
 
 def _layout(model_or_layout):
-    from .model.layout import Layout, layout_of
+    from ..model.layout import Layout, layout_of
 
     if isinstance(model_or_layout, Layout):
         return model_or_layout
@@ -322,7 +322,7 @@ def _plain_lines(path: Path):
 
 
 def _field(path: Path, num: int, record: dict, field: str) -> str:
-    from .data.readers import record_text, record_where
+    from ..data.readers import record_text, record_where
 
     return record_text(record, field, record_where(path, num), hint="--field")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
+from ..runconfig import RunConfig
 from .pretrain import PretrainResult, load_run_config, pretrain
-from .runconfig import RunConfig
 
 
 def load_distill_config(yaml_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

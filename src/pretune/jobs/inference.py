@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .config import TASK_HEADS, ConfigError
-from .loading import TASK_FILE
-from .tasks.base import TaskConfig
-from .tasks.run import (  # re-exported: where they were before tasks/run.py
+from ..config import TASK_HEADS, ConfigError
+from ..loading import TASK_FILE
+from ..tasks.base import TaskConfig
+from ..tasks.run import (  # re-exported: where they were before tasks/run.py
     encode_records,
     evaluate_task,
     format_scores,
@@ -33,8 +33,8 @@ __all__ = ["evaluate", "predict", "load_finetuned", "load_task_config", "save_ta
 
 def load_task_config(model_dir: str | Path, overrides: dict | None = None) -> TaskConfig:
     """The task.json saved with a finetuned model (or defaults), with field overrides."""
-    from .loading import read_task
-    from .runconfig import section as typed
+    from ..loading import read_task
+    from ..runconfig import section as typed
 
     data = read_task(model_dir) or {}
     data.update(overrides or {})
@@ -46,8 +46,8 @@ def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, to
     """(model, tokenizer, task) of a finetuned checkpoint (its task.json), of an adapter folder written by
     ``finetune`` with peft.method (its base model + the adapter; ``base`` overrides the recorded base), or
     of an HF task model with ``task_overrides={"name": ...}``."""
-    from .loading import load_pretrained
-    from .tasks import TASKS
+    from ..loading import load_pretrained
+    from ..tasks import TASKS
 
     loaded = load_pretrained(model_dir, base=base or None, tokenizer=tokenizer or None)
     model, tok = loaded.model, loaded.tokenizer

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .runconfig import RunConfig, check_data, check_train, merge_layers, section
+from ..config import ConfigError
+from ..runconfig import RunConfig, check_data, check_train, merge_layers, section
 
 MIN_BLOCK = 4  # shortest block used for training (tokens, before special tokens)
 
@@ -46,7 +46,7 @@ def load_run_config(yaml_file: str | Path | None = None, overrides: list[str] | 
     Each section is checked once: ``data`` and ``train`` by their dataclasses, ``objective`` by the objective it
     names (``pretune.objectives.objective_settings``).
     """
-    from .objectives import objective_settings
+    from ..objectives import objective_settings
 
     merged = merge_layers(RunConfig().to_dict(), yaml_file, overrides, base,
                           ["model", "tokenizer", "data", "objective", "train"])
@@ -70,15 +70,15 @@ def _store_key(cfg: RunConfig, tok_sha: str, sources: list[str]) -> str:
 
 def build_token_store(cfg: RunConfig, tokenizer, sources: list[str], out_dir: Path, *, show_progress: bool = True):
     """Tokenize ``sources`` into a token store at ``out_dir`` (resumable; reused when already complete)."""
-    from .data.readers import count_bytes, expand_sources, iter_documents
-    from .data.store import build_store
-    from .tokenization import tokenizer_sha
+    from ..data.readers import count_bytes, expand_sources, iter_documents
+    from ..data.store import build_store
+    from ..io.tokenization import tokenizer_sha
 
     d = cfg.data
     paths = expand_sources(sources)
     docs = iter_documents(paths, field=d.field, doc_split=d.doc_split, errors=d.errors)
     if d.clean:
-        from .data.clean import CleanConfig, clean_documents
+        from ..data.clean import CleanConfig, clean_documents
 
         docs = clean_documents(docs, CleanConfig())
     sha = tokenizer_sha(tokenizer)
@@ -91,11 +91,11 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
     """Load the tokenizer, build the model and objective, tokenize and pack the data.
 
     Returns (tokenizer, model, objective, ExampleSet, block_size)."""
-    from .data.packing import pack_blocks, split_index
-    from .loading import build_run_model
-    from .objectives import OBJECTIVES, build_objective
-    from .train.dist import DistInfo, barrier
-    from .train.loop import ExampleSet
+    from ..data.packing import pack_blocks, split_index
+    from ..loading import build_run_model
+    from ..objectives import OBJECTIVES, build_objective
+    from ..train.dist import DistInfo, barrier
+    from ..train.loop import ExampleSet
 
     dist = dist or DistInfo()
     if not cfg.tokenizer:
@@ -111,7 +111,7 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
                                  seed=cfg.train.seed, log=print if dist.is_main else lambda *a: None)
     teacher = None
     if getattr(cfg.objective, "teacher", ""):  # distillation: the frozen model the student learns from
-        from .loading import load
+        from ..loading import load
 
         with torch.random.fork_rng(devices=[]):  # building it draws an init: the student's run stays as it was
             teacher = load(cfg.objective.teacher, merge=True)
@@ -140,11 +140,11 @@ def prepare(cfg: RunConfig, *, dist=None, show_progress: bool = True):
         if dist.is_main:
             build_token_store(cfg, tok, list(sources), path, show_progress=show_progress)
             if not cfg.data.store:  # the run's own cache: pretune wrote it (a shared data.store is the user's)
-                from .outputs import mark
+                from ..io.outputs import mark
 
                 mark(run_dir, ["data"])
         barrier(dist)
-        from .data.store import TokenStore
+        from ..data.store import TokenStore
 
         stores[split] = TokenStore.open(path)
     sep = objective.doc_separator()
@@ -187,12 +187,12 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
     ``runconfig.check_resume`` allows."""
     import dataclasses
 
-    from .checkpoint import save
-    from .model import count_parameters
-    from .outputs import mark, prepare_run_folder
-    from .train.dist import barrier, init_distributed, shutdown
-    from .train.loop import Trainer
-    from .train.precision import precision_line, resolve_precision
+    from ..io.checkpoint import save
+    from ..io.outputs import mark, prepare_run_folder
+    from ..model import count_parameters
+    from ..train.dist import barrier, init_distributed, shutdown
+    from ..train.loop import Trainer
+    from ..train.precision import precision_line, resolve_precision
 
     dist = init_distributed()
     if cfg.train.threads:
@@ -233,7 +233,7 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
                 save(other, run_dir / name, tokenizer=tok)
                 mark(run_dir, [name])
             if cfg.train.plot and (run_dir / "metrics.jsonl").is_file():
-                from .train.logging import plot_losses
+                from ..train.logging import plot_losses
 
                 plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png",
                             title=f"{cfg.objective.name} · {model.config.arch}")

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -141,7 +141,7 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], *, source: st
 def atomic_folder(path: str | os.PathLike):
     """Context manager: yields a temporary folder beside ``path`` that becomes ``path`` on success and is removed
     on failure, so a crash never leaves a half-written folder. The folder gets a marker (``.pretune.json``, see
-    ``pretune.outputs``) listing what pretune wrote; its files are flushed to disk before the rename. A new ``path``
+    ``pretune.io.outputs``) listing what pretune wrote; its files are flushed to disk before the rename. A new ``path``
     appears whole in one rename; an existing one stays in place (it may be the current folder or a symlink, and
     may hold the user's files, which commands refuse unless --overwrite): each of pretune's entries is replaced
     atomically, stale entries of its earlier output are removed, nothing else is touched."""
@@ -314,7 +314,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: 
 
     Returns the TransformerLM in eval mode. Raises ConfigError/CheckpointError naming what is wrong.
     """
-    from .model import TransformerLM
+    from ..model import TransformerLM
 
     path = Path(path)
     if not path.is_dir():

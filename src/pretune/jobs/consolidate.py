@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (
+from ..config import ModelConfig
+from ..io.checkpoint import (
     CONFIG_NAME,
     TOKENIZER_NAME,
     CheckpointError,
@@ -17,7 +18,6 @@ from .checkpoint import (
     save,
     unique_state,
 )
-from .config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -26,7 +26,7 @@ def checkpoint_model(ckpt: str | Path):
     """The full model a training checkpoint holds (a TransformerLM in eval mode) and the tokenizer file beside it
     (or None). A checkpoint of a run that trained only some parameters (PEFT, a frozen body) holds only those: it
     is refused, naming the run's final adapter as the way out."""
-    from .train.parallel import SHARDED_DIR, read_sharded
+    from ..train.parallel import SHARDED_DIR, read_sharded
 
     ckpt = Path(ckpt)
     if not (ckpt / "trainer.pt").is_file():
@@ -42,7 +42,7 @@ def checkpoint_model(ckpt: str | Path):
     if not (ckpt / SHARDED_DIR).is_dir() or not (ckpt / CONFIG_NAME).is_file():
         raise CheckpointError(f"{ckpt} holds neither model/ nor sharded/ with its config.json: not a checkpoint "
                               "this version of pretune wrote")
-    from .model import TransformerLM
+    from ..model import TransformerLM
 
     cfg = ModelConfig.load(ckpt / CONFIG_NAME)
     with empty_parameters():  # the tensors read below become the parameters (the weights held once)
@@ -63,7 +63,7 @@ def checkpoint_model(ckpt: str | Path):
 def consolidate(ckpt: str | Path, out: str | Path, *, dtype: str = "fp32") -> Path:
     """Write the model of training checkpoint ``ckpt`` as a plain pretune folder ``out`` (atomically), in ``dtype``,
     with the tokenizer and the run's run.yaml."""
-    from .outputs import mark, write_atomic
+    from ..io.outputs import mark, write_atomic
 
     model, tok = checkpoint_model(ckpt)
     model = model.to(DTYPES[dtype])

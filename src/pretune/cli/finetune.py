@@ -1,0 +1,126 @@
+"""``pretune finetune``, ``evaluate`` and ``predict``: a task model from a checkpoint and labelled data, then its
+scores and predictions on other files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .. import catalog
+from .flags import FINETUNE_FLAGS, add_flags, config_layer, is_worker
+
+FINETUNE_EPILOG = f"""tasks and the record fields they read (rename with task.<x>_field=NAME):
+{catalog.listing(catalog.TASKS)}
+PEFT methods (--peft METHOD, or a '+' combination such as lora+prompt):
+{catalog.listing(catalog.PEFT_METHODS)}
+examples:
+  pretune finetune --model MINILM_DIR --task classification --train train.jsonl --dev dev.jsonl --test test.jsonl
+  pretune finetune --model runs/mlm/model --from-scratch --task classification --train ... --epochs 2
+  pretune finetune --model ckpt --task pair --train pairs.jsonl tune.freeze_body=true train.lr=1e-3
+  pretune evaluate runs/finetune/model test.jsonl
+  pretune predict runs/finetune/model new.jsonl --out predictions.jsonl
+"""
+
+
+def add_finetune_parsers(sub) -> None:
+    s = sub.add_parser("finetune", help=f"finetune a checkpoint on a downstream task ({catalog.names(catalog.TASKS)})",
+                       description="Finetune a pretune checkpoint or Hugging Face folder (or a preset from scratch) "
+                       "on labelled JSONL/CSV/TSV/Parquet data, with the task's standard metrics on dev (keep-best, "
+                       "early stopping) and test. Settings: --config YAML, then the flags below, then "
+                       "section.key=value overrides (sections: model, tokenizer, task, data, tune, peft, train; see "
+                       "--print-config).",
+                       epilog=FINETUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
+    s.add_argument("--config", metavar="YAML", help="finetuning config file")
+    add_flags(s, FINETUNE_FLAGS)
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint "
+                   "(bit for bit as if it had not stopped)")
+    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
+                   "that run wrote is removed, nothing else)")
+    s.add_argument("--print-config", action="store_true", help="print the config the run would use and exit: "
+                   "values derived from the data (steps from epochs, warmup, evaluation interval, learning rate) "
+                   "filled in and marked")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_finetune)
+
+    for name, helptext in (("evaluate", "score a finetuned model on a labelled file with the task's metrics"),
+                           ("predict", "write a finetuned model's predictions for a file as JSONL")):
+        s = sub.add_parser(name, help=helptext, description=helptext + ". The task and its fields come from the "
+                           "model's task.json; an imported Hugging Face task model needs --task.")
+        s.add_argument("model", help="finetuned checkpoint folder (or Hugging Face *For...* folder)")
+        s.add_argument("data", help="JSONL/CSV/TSV/Parquet records")
+        if name == "predict":
+            s.add_argument("--out", required=True, help="predictions JSONL (a new file)")
+            s.add_argument("--scores", action="store_true", help="also write each record's raw scores (class "
+                           "probabilities, span scores, ...)")
+        else:
+            s.add_argument("--json", help="also write the metrics to this JSON file (a new file)")
+        s.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
+        s.add_argument("--task", help=f"task name when the model has no task.json: {catalog.names(catalog.TASKS)}")
+        s.add_argument("--base", help="base model of an adapter folder (default: the path it recorded)")
+        s.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                       help="task setting override, e.g. --set text_field=sentence (repeatable)")
+        s.add_argument("--batch-size", type=int, default=64, help="examples per forward pass (default 64)")
+        s.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="inference precision")
+        s.add_argument("--quiet", action="store_true", help="no progress bars")
+        s.set_defaults(func=cmd_evaluate if name == "evaluate" else cmd_predict)
+
+
+def cmd_finetune(args) -> int:
+    from ..config import ConfigError
+    from ..jobs.finetune import finetune, load_finetune_config, resolved_yaml
+
+    base = config_layer(args, FINETUNE_FLAGS)
+    if {"init", "preset"} <= set(base.get("model", {})):
+        raise ConfigError("give --model (start from a checkpoint) or --preset (train from scratch), not both")
+    cfg = load_finetune_config(args.config, args.overrides, base=base)
+    if args.print_config:
+        print(resolved_yaml(cfg))
+        return 0
+    result = finetune(cfg, resume=args.resume, overwrite=args.overwrite, show_progress=not args.quiet)
+    if not is_worker():
+        print(f"  results: {result.run_dir / 'results.json'}   model: {result.model_dir}")
+    return 0
+
+
+def _task_overrides(args) -> dict:
+    out = {}
+    if getattr(args, "task", None):
+        out["name"] = args.task
+    for item in getattr(args, "set", None) or []:
+        key, _, value = item.partition("=")
+        if not _ or not key:
+            from ..config import ConfigError
+
+            raise ConfigError(f"--set {item!r} must look like field=value (e.g. text_field=sentence)")
+        out[key.removeprefix("task.")] = int(value) if value.isdigit() else value
+    return out
+
+
+def cmd_evaluate(args) -> int:
+    from ..io.outputs import check_file
+    from ..jobs.inference import evaluate, format_scores
+
+    if args.json:
+        check_file(args.json, overwrite=args.overwrite, what="metrics file")
+    metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
+                       precision=args.precision, show_progress=not args.quiet, base=args.base or "")
+    print(format_scores(Path(args.data).name, metrics))
+    if args.json:
+        from ..io.outputs import write_atomic
+
+        write_atomic(Path(args.json), json.dumps(metrics, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from ..io.outputs import check_file
+    from ..jobs.inference import predict
+
+    check_file(args.out, overwrite=args.overwrite, what="predictions file")
+    n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
+                precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores)
+    print(f"wrote {n} predictions to {args.out}")
+    return 0

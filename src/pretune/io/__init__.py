@@ -1,0 +1,4 @@
+"""Input and output: checkpoints (atomic save, strict load), where a command may write (``outputs``), tokenizers
+(``tokenization``, SentencePiece conversion in ``spm``) and the offline real checkpoints (``realmodels``).
+Hugging Face interop (``pretune.interop``) and data (``pretune.data``) are of this layer too, in folders of their
+own; docs/architecture.md has the table."""
