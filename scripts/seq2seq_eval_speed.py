@@ -15,8 +15,11 @@ import torch
 
 try:
     from pretune.io.tokenization import Tokenizer
-except ImportError:
-    from pretune.tokenize import Tokenizer
+except ImportError:  # a checkout before pretune/io/ (or before tokenization.py)
+    try:
+        from pretune.tokenization import Tokenizer
+    except ImportError:
+        from pretune.tokenize import Tokenizer
 import pretune
 from pretune.realmodels import smollm2_dir
 
@@ -27,8 +30,9 @@ model = pretune.from_hf(folder).eval()
 tok = Tokenizer.load(folder)
 B = str(Path(__file__).resolve().parent.parent / "src/pretune/bundled/tasks/wordnet_reverse_dictionary/test.jsonl")
 rows = [json.loads(x) for x in open(B).read().splitlines()[:n]]
-if mode == "before":
-    from pretune.jobs.finetune import evaluate_task
+if mode == "before":  # run in a checkout of the commit before the batched generate()
+    from pretune.finetune import evaluate_task
+
     from pretune.tasks import TaskConfig, build_task
     from pretune.tasks.base import Record
     task = build_task(TaskConfig(name="seq2seq", prefix="word for: ", max_target_len=8), model.config, tok)

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pretune.config import ConfigError
-from pretune.jobs.finetune import _stored_as_now, load_finetune_config
+from pretune.jobs.finetune.config import _stored_as_now, load_finetune_config
 from pretune.peft import PeftConfig
 from pretune.peft.config import peft_defaults
 from pretune.runconfig import check_resume

@@ -69,7 +69,9 @@ def add_finetune_parsers(sub) -> None:
 
 def cmd_finetune(args) -> int:
     from ..config import ConfigError
-    from ..jobs.finetune import finetune, load_finetune_config, resolved_yaml
+    from ..jobs.finetune import finetune
+    from ..jobs.finetune.config import load_finetune_config
+    from ..jobs.finetune.prepare import resolved_yaml
 
     base = config_layer(args, FINETUNE_FLAGS)
     if {"init", "preset"} <= set(base.get("model", {})):

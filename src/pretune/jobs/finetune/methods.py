@@ -1,0 +1,101 @@
+"""How a finetuning run trains — every weight, only the task head, or an adapter on a frozen base: the one place
+that asks about PEFT. Each method says its default learning rate and the room left for the task's inputs, sets the
+model up before training and saves what the run produces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...loading import TASK_FILE
+from ...peft.config import PeftConfig
+from ...tasks.run import save_task, task_json
+from .config import FULL_LR, HEAD_LR, FinetuneConfig
+
+
+class FullMethod:
+    """Every weight trains (or, with tune.freeze_body, only the task head); the result is a whole checkpoint."""
+
+    def __init__(self, freeze_body: bool = False):
+        self.freeze_body = freeze_body
+        self.name = "head only (body frozen)" if freeze_body else "full finetuning"
+        self.default_lr = HEAD_LR if freeze_body else FULL_LR  # a linear probe trains only a fresh head
+        self.base_dtype, self.base_note = "fp32", ""  # every weight stays fp32
+
+    def default_head_lr(self, lr: float) -> float:
+        """The task head's rate when tune.head_lr is not set: the run's (full finetuning, a probe)."""
+        return lr
+
+    def room(self, cfg: FinetuneConfig, model_cfg) -> int:
+        """Positions the task's inputs may take (all of them)."""
+        return model_cfg.max_seq_len
+
+    def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
+        if self.freeze_body:
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.startswith("head."))
+
+    def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
+        from ...io.checkpoint import save
+
+        if self.freeze_body:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        save(model, model_dir, tokenizer=tok)
+        save_task(model_dir, cfg.task)
+        return {}
+
+
+class AdapterMethod:
+    """A parameter-efficient adapter (``peft.method``) on a frozen base; the result is a small adapter folder
+    (peft's layout for LoRA) that records its base."""
+
+    def __init__(self, peft_cfg: PeftConfig):
+        from ...peft import METHODS
+
+        self.cfg = peft_cfg
+        self.modules = [METHODS[m] for m in peft_cfg.methods]
+        self.name = f"peft {peft_cfg.method}"
+        self.default_lr = self.modules[0].DEFAULT_LR  # a combination: the first method's
+        self.base_dtype = "fp32"  # how the frozen base's linear weights are stored (peft.base_dtype, resolved)
+        self.base_note = ""  # the start line saying so, when they are cast
+        self.base_bytes_saved = 0
+
+    def default_head_lr(self, lr: float) -> float:
+        """The task head's rate when tune.head_lr is not set: HEAD_LR, or the run's when that is higher."""
+        return max(lr, HEAD_LR)
+
+    def room(self, cfg: FinetuneConfig, model_cfg) -> int:
+        """Positions left for the task's inputs: a soft prompt takes some of an absolute position table."""
+        taken = sum(getattr(m, "positions_taken", lambda c: 0)(self.cfg) for m in self.modules)
+        return model_cfg.max_seq_len - (taken if model_cfg.position in ("learned", "sinusoidal") else 0)
+
+    def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
+        from ... import peft
+
+        self.cfg = cfg.peft  # base_dtype resolved (auto -> fp32 or bf16)
+        summary = peft.inject(model, self.cfg, name="default", tokenizer=tok, seed=cfg.train.seed)
+        log(f"{self.name}: {peft.format_summary(summary)}")
+        self.base_dtype = self.cfg.base_dtype
+        if "base_cast" in summary:
+            self.base_bytes_saved = summary["base_bytes_saved"]
+            self.base_note = (f"frozen base: bf16 ({summary['base_cast']:,} linear weights, "
+                              f"{self.base_bytes_saved / 1e6:.1f} MB saved; embeddings, norms and biases fp32)")
+
+    def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
+        from ... import peft
+
+        peft.save_adapter(model, model_dir, base=str(Path(cfg.model["init"]).resolve()), tokenizer=tok,
+                          extra_files={TASK_FILE: task_json(cfg.task)})
+        sizes = {"adapter_bytes": peft.adapter_size(model_dir),  # the full model as saved: fp32 (a bf16 base widened)
+                 "full_model_bytes": sum(t.numel() * t.element_size() for t in peft.base_state(model).values())
+                 + self.base_bytes_saved}
+        a, f = sizes["adapter_bytes"], sizes["full_model_bytes"]
+        log(f"adapter -> {model_dir}: {a / 1e6:.2f} MB, against {f / 1e6:.1f} MB for the full model "
+            f"({100 * a / f:.2f}%)")
+        return {"peft": {"method": self.cfg.method, **peft.trainable_summary(model), **sizes,
+                         "base_dtype": self.base_dtype}}
+
+
+def method_for(cfg: FinetuneConfig) -> FullMethod | AdapterMethod:
+    """How a run trains: an adapter (peft.method), only the head (tune.freeze_body), or everything."""
+    return AdapterMethod(cfg.peft) if cfg.peft.method else FullMethod(cfg.tune.freeze_body)
