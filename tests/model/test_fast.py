@@ -417,11 +417,18 @@ def test_fast_model_equals_the_reference(cfg, peft_setup):
     ref_params = dict(ref.named_parameters())
     ga = torch.autograd.grad(la, [p for _, p in params], allow_unused=True)
     gb = torch.autograd.grad(lb, [ref_params[n] for n, _ in params], allow_unused=True)
-    scale = max(float(g.abs().max()) for g in gb if g is not None)
-    for (name, _), g1, g2 in zip(params, ga, gb):
-        assert (g1 is None) == (g2 is None), name
-        if g1 is not None:
-            _rel_close(g1, g2, rtol=1e-6, scale=scale)
+    # all gradients together within 2.5e-6 of their norm (measured: below 1e-6 for every family and preset, 1.9e-6 with
+    # LoRA on every linear); each tensor within 1e-5 of its own norm (fp32 sums in another order), or of 1 % of the largest one's for a gradient that is rounding noise
+    # around 0 (a key bias's: softmax ignores it)
+    assert all((g1 is None) == (g2 is None) for g1, g2 in zip(ga, gb)), [n for n, _ in params]
+    pairs = [(n, g1, g2) for (n, _), g1, g2 in zip(params, ga, gb) if g1 is not None]
+    total = sum(float((g1 - g2).norm()) ** 2 for _, g1, g2 in pairs) ** 0.5
+    norm = sum(float(g2.norm()) ** 2 for _, _, g2 in pairs) ** 0.5
+    assert total <= 2.5e-6 * norm, f"|fast - reference| = {total / norm:.3g} of |reference| over every gradient"
+    scale = max(float(g2.norm()) for _, _, g2 in pairs)
+    for name, g1, g2 in pairs:
+        err, ref = float((g1 - g2).norm()), max(float(g2.norm()), 1e-2 * scale)
+        assert err <= 1e-5 * ref, f"{name}: |fast - reference| = {err:.3g}, {err / ref:.3g} of |reference|"
 
 
 @pytest.mark.parametrize(("cfg", "peft_setup"), _decoder_cases() + [

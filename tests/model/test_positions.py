@@ -193,7 +193,9 @@ def test_rotating_fused_heads_in_place_equals_rotating_q_and_k(rows, T, per_row)
     """``rotation(...).heads`` (decoding's lean path: RoPE on the q and k heads of the fused projection, token-major,
     in place; a (d, d) matmul per position for few tokens, elementwise for many) equals rotating q and k apart, and
     leaves the value heads alone."""
-    rope = RotaryPositions(cfg(dim=32, n_heads=4, n_kv_heads=2), causal=True)
+    from pretune.model.fast.position import FastRotaryPositions
+
+    rope = FastRotaryPositions(cfg(dim=32, n_heads=4, n_kv_heads=2), causal=True)
     H, Hkv, d = 4, 2, 8
     g = torch.Generator().manual_seed(T)
     y = torch.randn(rows, T, H + 2 * Hkv, d, generator=g)
@@ -217,7 +219,9 @@ def test_rotating_one_token_head_major_equals_heads_bitwise(rows, per_row):
     """``rotation(...).step`` (a decoding step: from the fused projection's output (B, 1, h * d) straight to
     head-major heads (B, h, 1, d)) gives exactly ``heads``' values, so a decoding step and the forward agree bitwise;
     past 2^20 matrix numbers it goes through ``heads``' elementwise path."""
-    rope = RotaryPositions(cfg(dim=32, n_heads=4, n_kv_heads=2), causal=True)
+    from pretune.model.fast.position import FastRotaryPositions
+
+    rope = FastRotaryPositions(cfg(dim=32, n_heads=4, n_kv_heads=2), causal=True)
     H, Hkv, d = 4, 2, 8
     g = torch.Generator().manual_seed(rows)
     y = torch.randn(rows, 1, (H + 2 * Hkv) * d, generator=g)
