@@ -179,3 +179,12 @@ def test_the_cli_method_help_is_the_registrys():
     from pretune.peft import METHOD_HELP
 
     assert cli_help == METHOD_HELP
+
+
+def test_show_prints_a_decoder_sized_apart(tmp_path, capsys):
+    """A BART checkpoint whose decoder has its own head count and FFN width shows both stacks' sizes."""
+    model = pretune.build_model("tiny-bart-base", decoder_heads=2, decoder_ffn_dim=40)
+    pretune.save(model, tmp_path / "ck")
+    assert main(["show", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert f"; decoder 2 heads x {model.config.dim // 2}" in out and "; decoder inner 40" in out

@@ -91,11 +91,16 @@ def cmd_show(args) -> int:
         attn += f", sliding window {cfg.sliding_window}{where}"
     if cfg.attn_softcap is not None:
         attn += f", scores soft-capped at {cfg.attn_softcap:g}"
+    ffn = f"{cfg.ffn}, inner {cfg.ffn_dim}"
+    dec = cfg.decoder_config
+    if dec is not cfg:  # an encoder-decoder whose decoder is sized apart (BART may be)
+        attn += f"; decoder {dec.n_heads} heads x {dec.dh}"
+        ffn += f"; decoder inner {dec.ffn_dim}"
     rope = f" (base {cfg.rope_base:g}" + (f", sliding-window layers {cfg.rope_local_base:g}"
                                            if cfg.rope_local_base is not None else "") + (
         f", {cfg.rope_scaling} scaling x{cfg.rope_factor:g}" if cfg.rope_scaling != "none" else "") + ")"
     rows = [
-        ("layers", layers), ("dim", cfg.dim), ("attention", attn), ("ffn", f"{cfg.ffn}, inner {cfg.ffn_dim}"),
+        ("layers", layers), ("dim", cfg.dim), ("attention", attn), ("ffn", ffn),
         ("norm", f"{cfg.norm} ({cfg.norm_placement}-norm, eps {cfg.norm_eps:g})"),
         ("positions", cfg.position + (rope if cfg.position == "rope" else "")),
         ("vocab", cfg.vocab_size), ("max_seq_len", cfg.max_seq_len),
