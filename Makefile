@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-slow demo bench lint clean
+.PHONY: install test test-slow test-gpu demo bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -25,6 +25,11 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# the CUDA paths (bf16, SDPA flash, compile, fast = reference on the GPU, torchrun on nccl with DDP and FSDP);
+# skipped without a GPU
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests/train/test_gpu.py
 
 # OMP_WAIT_POLICY=PASSIVE: idle torch threads sleep instead of spinning; on a busy 2-core machine spinning
 # threads steal the cores the working ones need (measured: a training step 5-8x slower with 2 threads)
