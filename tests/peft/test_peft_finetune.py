@@ -149,3 +149,36 @@ def test_peft_works_for_every_task_and_family(task, preset, kind, method, tokeni
     # (reloaded, the frozen base's products may be stacked differently: the same to fp32 rounding, and a metric near
     # zero such as a weak Pearson r moves by ~1e-6 of itself on CPUs whose matmul kernel depends on the width)
     assert evaluate(res.model_dir, dv, show_progress=False) == pytest.approx(res.test, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("pooling, layout", [(None, "pretune"), ("pooler", "peft")])
+def test_lora_layout_is_peft_when_transformers_has_the_head_else_the_run_says_why(pooling, layout, tokenizers_by_kind,
+                                                                                 data, tmp_path, capsys):
+    """The README's LoRA command on MiniLM: a sentence-transformers checkpoint, so the classification head reads the
+    mean of the token states (issue 32). No transformers class classifies a mean, so peft's layout cannot hold the
+    run: the adapter is pretune's, and the end of the run, results.json and `peft info` say so and why;
+    task.pooling=pooler (BertForSequenceClassification's head) gives peft's layout."""
+    tok = Tokenizer.load(tokenizers_by_kind["wordpiece"])
+    mean_base = tmp_path / "base"  # what pretune reads from MiniLM's folder: a BERT whose sentence vector is a mean
+    model = pretune.build_model("tiny-bert-base", vocab_size=tok.vocab_size, pooler=True, pooling="mean")
+    pretune.save(model, mean_base, tokenizer=tok.tk)
+    lines = []
+    res = finetune(_cfg(mean_base, data, tmp_path / "run", "lora", "train.steps=2", "tune.epochs=0",
+                        *([f"task.pooling={pooling}"] if pooling else [])),
+                   show_progress=False, log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert (res.model_dir / "adapter_config.json").is_file() == (layout == "peft")
+    peft_results = json.loads((res.run_dir / "results.json").read_text())["peft"]
+    assert peft_results["layout"] == layout
+    end = lines[[i for i, line in enumerate(lines) if line.startswith("model -> ")][-1] + 1:]  # after the scores
+    said = [line for line in end if line.startswith("adapter layout: ")]
+    assert len(said) == 1 and said[0].startswith(f"adapter layout: {layout}'s"), end
+    if layout == "pretune":
+        assert "pooling='mean'" in said[0] and "task.pooling=pooler" in said[0]
+        assert "task.pooling=pooler" in peft_results["layout_why"]
+    assert main(["peft", "info", str(res.model_dir)]) == 0
+    info = capsys.readouterr().out
+    assert f"layout {layout}," in info
+    assert ("layout: pretune's, not peft's (" in info) == (layout == "pretune")
+    if layout == "peft":
+        peft_lib = pytest.importorskip("peft")
+        assert peft_lib.LoraConfig.from_pretrained(str(res.model_dir)).r == 8

@@ -50,6 +50,8 @@ def cmd_info(args) -> int:
         raise PeftError(f"{path}: no {META_FILE} or {PEFT_CONFIG_FILE} (not an adapter folder)")
     p = meta["peft"]
     print(f"{path}: adapter {meta['name']!r}, method {p['method']}, layout {meta['layout']}, {size / 1e6:.2f} MB")
+    if meta.get("layout_why"):  # pretune's layout: why not peft's (recorded since the reason was; older ones: none)
+        print(f"  layout: pretune's, not peft's ({meta['layout_why']}); peft.PeftModel cannot load it, pretune can")
     print(f"  base: {meta['base'].get('model') or '(not recorded)'} ({meta['base'].get('arch')}, dim "
           f"{meta['base'].get('dim')}, {meta['base'].get('n_layers')} layers)")
     if meta.get("head"):

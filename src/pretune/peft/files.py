@@ -8,11 +8,13 @@
                                  ``peft.PeftModel.from_pretrained`` and its tensors use peft's names
       tokenizer.json, task.json  when saved by ``pretune finetune``
 
-LoRA adapters of a family that exports to Hugging Face (BERT, RoBERTa, GPT-2, T5, Llama, Qwen2, Qwen3, Mistral, Gemma,
-Gemma 2) are written
+LoRA adapters of a model that exports to Hugging Face, task head included (BERT, RoBERTa, GPT-2, T5, Llama, Qwen2,
+Qwen3, Mistral, Gemma, Gemma 2) are written
 in peft's layout: ``base_model.model.<HF module>.lora_A.weight`` (and, with ``bias`` all / lora_only, the
 trained biases under their HF names); other adapters use pretune's parameter names with the adapter name left
-out, and the base parameters they train (embeddings, BitFit's biases) under their own names. A folder written
+out, and the base parameters they train (embeddings, BitFit's biases) under their own names, and
+pretune_adapter.json says why (``layout_why``: another method, or a head no transformers class has, such as a
+classification head on mean pooling, the default on a sentence-transformers checkpoint like MiniLM). A folder written
 by ``peft`` itself (no pretune_adapter.json) loads too: LoRA with per-module ranks, rsLoRA, fused GPT-2 c_attn,
 heads in modules_to_save, trained biases.
 """
@@ -167,6 +169,8 @@ def save_adapter(model, path: str | os.PathLike, name: str | None = None, *, bas
             "head": head_fields, "base": {"model": str(base), **{k: getattr(model.config, k) for k in _BASE_FIELDS}},
             "lora_scaling": {n: m.lora_scaling[name] for n, m in lora.items()},
             "layout": "peft" if places is not None else "pretune"}
+    if places is None:
+        meta["layout_why"] = _why_not_peft(model.config, cfg)
     if places is not None:
         tensors, peft_cfg = _to_peft(model, name, lora, places, head_tensors, head_fields, owned)
     else:
@@ -186,6 +190,22 @@ def save_adapter(model, path: str | os.PathLike, name: str | None = None, *, bas
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
     return path
+
+
+def _why_not_peft(cfg, peft_cfg: PeftConfig) -> str:
+    """Why an adapter of ``peft_cfg`` on a model of ``cfg`` is written in pretune's layout rather than peft's: peft's
+    files name the modules of a transformers model, so only a LoRA adapter on a model (head included) that exports
+    to transformers has them."""
+    from ..interop import InteropError, _family_for_config
+
+    if peft_cfg.methods != ["lora"]:
+        return f"pretune writes peft's layout for LoRA alone, not for {peft_cfg.method}"
+    try:
+        fam = _family_for_config(cfg.replace(head="none"))  # the body alone: its Hugging Face family
+    except InteropError:
+        return "the model has no Hugging Face equivalent, whose module names peft's files use"
+    why = fam.export_mismatch(cfg)  # the head (e.g. mean pooling, which no transformers class has)
+    return f"the model with its head has no transformers class: {why}" if why else "no Hugging Face places"
 
 
 def _to_peft(model, name, lora: dict[str, PeftLinear], places: dict[str, HfPlace], head_tensors, head_fields,

@@ -81,5 +81,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     barrier(dist)
     log(format_scores("dev", dev_final) + ("\n" + format_scores("test", test_metrics) if test_metrics else ""))
     log(f"model -> {model_dir}  ({steps} steps, {seconds:.1f}s); the run folder holds {_size(run_dir) / 1e6:.1f} MB")
+    if job.method.layout_note:  # an adapter: which layout it was written in, and why when not peft's
+        log(job.method.layout_note)
     return FinetuneResult(run_dir=run_dir, model_dir=model_dir, steps=steps, seconds=seconds, dev=dev_final,
                           test=test_metrics, best_step=best.best_step, history=history)

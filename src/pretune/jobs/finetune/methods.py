@@ -20,6 +20,7 @@ class FullMethod:
         self.name = "head only (body frozen)" if freeze_body else "full finetuning"
         self.default_lr = HEAD_LR if freeze_body else FULL_LR  # a linear probe trains only a fresh head
         self.base_dtype, self.base_note = "fp32", ""  # every weight stays fp32
+        self.layout_note = ""  # a whole checkpoint: no adapter layout to tell
 
     def default_head_lr(self, lr: float) -> float:
         """The task head's rate when tune.head_lr is not set: the run's (full finetuning, a probe)."""
@@ -59,6 +60,7 @@ class AdapterMethod:
         self.base_dtype = "fp32"  # how the frozen base's linear weights are stored (peft.base_dtype, resolved)
         self.base_note = ""  # the start line saying so, when they are cast
         self.base_bytes_saved = 0
+        self.layout_note = ""  # the end of the run's line on the adapter's layout (peft's or pretune's, and why)
 
     def default_head_lr(self, lr: float) -> float:
         """The task head's rate when tune.head_lr is not set: HEAD_LR, or the run's when that is higher."""
@@ -92,8 +94,16 @@ class AdapterMethod:
         a, f = sizes["adapter_bytes"], sizes["full_model_bytes"]
         log(f"adapter -> {model_dir}: {a / 1e6:.2f} MB, against {f / 1e6:.1f} MB for the full model "
             f"({100 * a / f:.2f}%)")
+        meta = peft.read_meta(model_dir)
+        if meta["layout"] == "peft":
+            self.layout_note = (f"adapter layout: peft's ({model_dir}/adapter_config.json; "
+                                "peft.PeftModel.from_pretrained loads it)")
+        else:
+            self.layout_note = (f"adapter layout: pretune's, not peft's: {meta['layout_why']}; pretune loads it "
+                                "(pretune.load, evaluate, predict, peft merge)")
         return {"peft": {"method": self.cfg.method, **peft.trainable_summary(model), **sizes,
-                         "base_dtype": self.base_dtype}}
+                         "base_dtype": self.base_dtype, "layout": meta["layout"],
+                         **({"layout_why": meta["layout_why"]} if "layout_why" in meta else {})}}
 
 
 def method_for(cfg: FinetuneConfig) -> FullMethod | AdapterMethod:
