@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import hooks as _hooks
+
 __version__ = "0.1.0"
 
 _EXPORTS = {  # public name -> the module that defines it
@@ -37,6 +39,17 @@ _EXPORTS = {  # public name -> the module that defines it
 }
 
 __all__ = ["__version__", *_EXPORTS]
+
+
+def _generate(model, *args, **kwargs):
+    """``model.generate(...)``: ``pretune.generate(model, ...)``; the model layer may not import generation, so
+    ``TransformerLM.generate`` calls this through ``pretune.hooks`` (torch is imported on the first call)."""
+    from .generation import generate
+
+    return generate(model, *args, **kwargs)
+
+
+_hooks.HOOKS["generate"] = _generate
 
 
 def __getattr__(name: str) -> Any:

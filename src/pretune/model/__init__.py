@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import TASK_HEADS, ModelConfig
+from ..hooks import HOOKS
 from . import fast as _fast
 from .cache import KVCache
 from .heads import HEADS, LMHead, Pooler
@@ -205,6 +206,19 @@ class TransformerLM(nn.Module):
             return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                            ignore_index=IGNORE)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """``pretune.generate(model, input_ids, attention_mask, **kwargs)`` as a method, for code written against
+        transformers (``model.generate(ids, max_new_tokens=20)``): the same arguments, the same output.
+
+        The generation package lies above the model (docs/architecture.md), so the method imports nothing: it
+        calls ``pretune.hooks.HOOKS["generate"]``, which ``pretune/__init__.py`` registers."""
+        hook = HOOKS.get("generate")
+        if hook is None:
+            raise RuntimeError("TransformerLM.generate delegates to pretune.generate, which is not registered "
+                               "(pretune.hooks.HOOKS has no 'generate'); call pretune.generate(model, input_ids, "
+                               "max_new_tokens=...) instead")
+        return hook(self, input_ids, attention_mask, **kwargs)
 
     def num_parameters(self) -> int:
         return count_parameters(self)["total"]
