@@ -96,3 +96,13 @@ def test_bundled_files_are_found_and_copied(tmp_path, capsys):
     assert (tmp_path / "data" / "README.md").is_file()  # the licences travel with the data
     assert main(["data", "bundled"]) == 0
     assert "tasks/austen_ner" in capsys.readouterr().out
+
+
+def test_data_bundled_lists_every_bundled_data_set(capsys):
+    """Every corpus file and task folder has its line in `pretune data bundled` (issue 32: wordnet_pos, which the
+    README tour finetunes on, was missing)."""
+    shipped = {f"corpus/{p.name}" for p in bundled.corpus()} | {f"tasks/{t}" for t in bundled.tasks()}
+    assert set(bundled.DESCRIPTIONS) == shipped
+    assert main(["data", "bundled"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert sorted(listed) == sorted(shipped) and "tasks/wordnet_pos" in listed

@@ -31,6 +31,7 @@ DESCRIPTIONS: dict[str, str] = {
     "tasks/sms_spam": "classification: SMS ham/spam (text, label; CC BY 4.0)",
     "tasks/wordnet_supersense": "classification: WordNet gloss -> one of 45 supersenses (text, label)",
     "tasks/wordnet_defines": "pair: does gloss text_b define word text_a? (text_a, text_b, label)",
+    "tasks/wordnet_pos": "multilabel: every part of speech (noun/verb/adj/adv) a word has (text, label: a list)",
     "tasks/austen_edit_similarity": "regression: 0-5 similarity of a sentence and its edited copy (text_a, text_b)",
     "tasks/austen_ner": "tagging: PER/LOC names in Austen sentences, BIO (tokens, tags)",
     "tasks/wordnet_qa": "qa: 'What does W mean?' over dictionary entries, SQuAD 2.0 (context, question, answers)",
