@@ -1,5 +1,6 @@
 """Trainer callbacks: what a job wants done around the shared loop without forking it (minGPT's
-``add_callback``, torchtitan's components). Keep-best model selection and early stopping live here.
+``add_callback``, torchtitan's components). Keep-best model selection, early stopping and the train loss's
+trend live here.
 
     trainer = Trainer(..., callbacks=[history, KeepBest("dev_accuracy", params), EarlyStopping("dev_accuracy", 3)])
 
@@ -15,13 +16,16 @@ import torch
 
 from ..config import ConfigError
 
-__all__ = ["Callback", "EvalHistory", "KeepBest", "EarlyStopping", "improved"]
+__all__ = ["Callback", "EvalHistory", "TrainLosses", "KeepBest", "EarlyStopping", "improved"]
 
 
 class Callback:
     """Hooks the Trainer calls, all optional. ``stop`` turns True to end training early."""
 
     stop: bool = False
+
+    def on_step(self, trainer, step: int, metrics: dict) -> None:
+        """After every optimizer step (``metrics``: the step's ``loss``, ``lr``, loss terms, ...)."""
 
     def on_evaluate(self, trainer, step: int, metrics: dict) -> None:
         """After every evaluation (``metrics``: loss terms and the evaluator's, e.g. ``dev_accuracy``)."""
@@ -64,6 +68,30 @@ class EvalHistory(Callback):
 
     def load_state_dict(self, state):
         self.history = [(int(s), dict(h)) for s, h in state.get("history", [])]
+
+
+class TrainLosses(Callback):
+    """Every optimizer step's train loss, and whether it fell: :meth:`trend` compares the mean of the first
+    ``fraction`` of the steps with the mean of the last."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_step(self, trainer, step, metrics):
+        self.losses.append(float(metrics["loss"]))
+
+    def trend(self, fraction: float = 0.1) -> tuple[float, float, int] | None:
+        """(mean loss of the first steps, mean of the last, steps in each mean); None under two steps."""
+        if len(self.losses) < 2:
+            return None
+        k = min(max(1, round(fraction * len(self.losses))), len(self.losses) // 2)
+        return sum(self.losses[:k]) / k, sum(self.losses[-k:]) / k, k
+
+    def state_dict(self, step):
+        return {"losses": list(self.losses)}
+
+    def load_state_dict(self, state):
+        self.losses = [float(v) for v in state.get("losses", [])]
 
 
 class KeepBest(Callback):

@@ -483,9 +483,8 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def fit(self, *, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
-        from tqdm.auto import tqdm
-
         from ..config import ConfigError
+        from ..io.progress import progress
         from .logging import MetricsLogger
 
         cfg, d = self.cfg, self.dist
@@ -500,7 +499,7 @@ class Trainer:
             self._write_run_config(start)
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, enabled=d.is_main,
                                append=resume, resume_step=start)
-        bar = tqdm(total=cfg.steps, initial=start, disable=not (d.is_main and self.show_progress),
+        bar = progress(total=cfg.steps, initial=start, disable=not (d.is_main and self.show_progress),
                    desc="train", unit="step", dynamic_ncols=True)
         t0 = time.perf_counter()
         tokens = 0
@@ -522,6 +521,8 @@ class Trainer:
                 dt = time.perf_counter() - ts
                 tokens += last["tokens"]
                 last["tokens_per_s"] = last["tokens"] / max(dt, 1e-9)
+                for cb in self.callbacks:
+                    cb.on_step(self, self.step, last)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.2e}")
                 if self.step % max(cfg.log_every, 1) == 0 or self.step == cfg.steps:
