@@ -245,7 +245,7 @@ def bench_finetune(*, data=None, model=None, dtypes=("fp32",), rounds: int = 3, 
         ``ratio`` (transformers seconds / pretune seconds), ``accuracy_points`` ((pretune - transformers)
         test accuracy x 100) and ``target_met``.
     """
-    from tqdm import tqdm
+    from ..io.progress import progress
 
     if rounds < 1:
         raise ValueError(f"rounds ({rounds}) must be >= 1")
@@ -272,7 +272,7 @@ def bench_finetune(*, data=None, model=None, dtypes=("fp32",), rounds: int = 3, 
                     plan.append(Job(impl, dt, model=str(model), **{k: str(v) for k, v in files.items()},
                                     epochs=epochs, batch=batch, lr=lr, warmup_ratio=warmup_ratio,
                                     weight_decay=weight_decay, max_len=max_len, seed=seed, threads=threads))
-        for job in tqdm(plan, desc="bench finetune", unit="run", disable=not show_progress):
+        for job in progress(plan, desc="bench finetune", unit="run", disable=not show_progress):
             res = spawn_worker(job, "pretune.bench.finetune")
             samples.setdefault((job.dtype, job.impl), []).append(res)
             if echo is not None:

@@ -179,8 +179,7 @@ def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: in
                 impls=("pretune", "transformers"), loop: str = "objective", echo=print) -> list[dict]:
     """Alternate pretune and transformers, one process per measurement, ``rounds`` times each;
     return one row per (family, dtype) with median tokens/s, ratio and MFU."""
-    from tqdm import tqdm
-
+    from ..io.progress import progress
     from .common import spawn_worker
 
     peaks: dict[str, list[float]] = {d: [] for d in dtypes}
@@ -194,7 +193,7 @@ def bench_model(*, families=("gpt", "bert"), dtypes=("bf16", "fp32"), rounds: in
                 for impl in order:
                     plan.append(Job(impl, fam, dt, batch=batch, seq=seq, steps=steps, warmup=warmup,
                                     threads=threads, dropout=dropout, loop=loop))
-    for job in tqdm(plan, desc="bench model", unit="run"):
+    for job in progress(plan, desc="bench model", unit="run"):
         res = spawn_worker(job, "pretune.bench.model")
         if job.impl == "matmul":
             peaks[job.dtype].append(res["flops_per_s"])

@@ -114,7 +114,7 @@ def run_worker(job: Job) -> dict:
 
 def bench_peft(*, dtypes=("fp32", "bf16"), rounds: int = 3, impls=IMPLS, echo=print, **job_kw) -> list[dict]:
     """Alternate the implementations (the order reversed every other round), one process each."""
-    from tqdm import tqdm
+    from ..io.progress import progress
 
     plan = []
     for r in range(rounds):
@@ -122,7 +122,7 @@ def bench_peft(*, dtypes=("fp32", "bf16"), rounds: int = 3, impls=IMPLS, echo=pr
             order = impls if r % 2 == 0 else tuple(reversed(impls))
             plan += [Job(impl, dt, **job_kw) for impl in order]
     samples: dict[tuple, list[dict]] = {}
-    for job in tqdm(plan, desc="bench peft", unit="run"):
+    for job in progress(plan, desc="bench peft", unit="run"):
         samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.peft"))
     rows = []
     for dt in dtypes:

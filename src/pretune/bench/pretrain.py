@@ -304,7 +304,7 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
         The tokenize row (see :func:`build_bench_store`), then one row per dtype: per-impl median
         tokens/s, per-round tokens/s, median peak RSS (MB), and ratio (first impl / second).
     """
-    from tqdm import tqdm
+    from ..io.progress import progress
 
     if seq < 4:
         raise ValueError(f"seq ({seq}) must be >= 4 ([CLS] + at least 2 tokens + [SEP])")
@@ -327,7 +327,7 @@ def bench_pretrain(*, corpus=None, tokenizer=None, cache_dir=DEFAULT_CACHE, dtyp
                 plan.append(Job(impl, dt, store=tok_row["path"], tokenizer=str(tokenizer), seq=seq, batch=batch,
                                 steps=steps, warmup=warmup, threads=threads, dropout=dropout, shape=shape))
     samples: dict[tuple, list[dict]] = {}
-    for job in tqdm(plan, desc="bench pretrain", unit="run", disable=not show_progress):
+    for job in progress(plan, desc="bench pretrain", unit="run", disable=not show_progress):
         samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.pretrain"))
     rows = [tok_row]
     for dt in dtypes:

@@ -194,9 +194,9 @@ def _write_jsonl(rows: Sequence[dict], out: str | Path) -> None:
 
 def cmd_prompt(args) -> int:
     import torch
-    from tqdm.auto import tqdm
 
     from ..io.outputs import check_file
+    from ..io.progress import progress
     from ..jobs.prompting import evaluate_cot, evaluate_labels
     from ..loading import load_pretrained
 
@@ -263,7 +263,7 @@ def cmd_prompt(args) -> int:
                   fit=args.fit.replace("-", "_"), add_bos={"auto": None, "yes": True, "no": False}[args.bos])
     if args.show_prompt:
         print(_shown_prompt(prompt, records[0], chat, common["system"]))
-    bar = tqdm(total=len(records), desc="prompt", unit="rec", disable=args.quiet, leave=False)
+    bar = progress(total=len(records), desc="prompt", unit="rec", disable=args.quiet, leave=False)
     amp = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if args.precision == "bf16" \
         else contextlib.nullcontext()
     with amp:

@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tqdm import tqdm
-
 from pretune.data.readers import DataError, DocSplit, Errors, Sources, expand_sources, iter_documents
 from pretune.data.text import sentence_spans
+from pretune.io.progress import progress
 
 # rule names, in the order they run; report keys; each is a CleanConfig switch
 LINE_RULES = ("strip_citations", "drop_javascript", "drop_policy", "require_terminal_punct", "require_min_words")
@@ -427,7 +426,7 @@ def clean_files(sources: Sources, out: str | Path, cfg: CleanConfig, *, field: s
             and renamed at the end: ``out`` is never half-written.
         cfg: which rules run.
         field, doc_split, errors: passed to ``iter_documents``.
-        show_progress: a tqdm bar over input documents.
+        show_progress: a progress bar over input documents.
 
     Returns:
         The report (``report.format()`` prints it).
@@ -443,7 +442,7 @@ def clean_files(sources: Sources, out: str | Path, cfg: CleanConfig, *, field: s
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        with _open_text_output(tmp, ext.endswith(".gz")) as f, tqdm(
+        with _open_text_output(tmp, ext.endswith(".gz")) as f, progress(
             iter_documents(paths, field=field, doc_split=doc_split, errors=errors),
             desc="clean", unit="doc", disable=not show_progress, mininterval=0.5,
         ) as docs:

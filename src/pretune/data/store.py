@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import tokenizers
-from tqdm.auto import tqdm
 
 from pretune.data.text import sentence_spans
+from pretune.io.progress import progress
 
 TOKENS_FILE = "tokens.bin"
 SENTS_FILE = "sent_offsets.bin"
@@ -184,7 +184,7 @@ def build_store(documents: Iterable[str], tokenizer: tokenizers.Tokenizer, out_d
         source_desc: identifies the documents (e.g. file names); a store built from others is not resumed.
         batch_docs: documents per batch; progress.json is rewritten after each.
         total_docs, total_bytes: totals for the progress bar (bytes, when given, is what it counts).
-        show_progress: draw a tqdm bar with tokens and MB/s.
+        show_progress: draw a progress bar with tokens and MB/s.
         resume: continue an interrupted build (or open a complete one) made from the same tokenizer and
             sources; a store from other ones is an error. False: delete any store there and rebuild.
 
@@ -217,10 +217,10 @@ def build_store(documents: Iterable[str], tokenizer: tokenizers.Tokenizer, out_d
 
     docs = _checked_texts(islice(iter(documents), state["docs_read"], None), first_index=state["docs_read"])
     count_bytes = total_bytes is not None
-    bar = tqdm(total=total_bytes if count_bytes else total_docs,
-               initial=state["n_bytes_text"] if count_bytes else state["docs_read"],
-               unit="B" if count_bytes else "doc", unit_scale=True, disable=not show_progress,
-               desc=f"tokenize {out_dir.name}", dynamic_ncols=True)
+    bar = progress(total=total_bytes if count_bytes else total_docs,
+                   initial=state["n_bytes_text"] if count_bytes else state["docs_read"],
+                   unit="B" if count_bytes else "doc", unit_scale=True, disable=not show_progress,
+                   desc=f"tokenize {out_dir.name}", dynamic_ncols=True)
     start_time, start_bytes, start_seconds = time.perf_counter(), state["n_bytes_text"], state["build_seconds"]
     with _parallelism(), ThreadPoolExecutor(max_workers=1) as pool, bar:
         encode = lambda texts: tokenizer.encode_batch(texts, add_special_tokens=False)

@@ -148,7 +148,7 @@ def embed_texts(model, tok: Tokenizer, texts: Sequence[str], *, pooling: str = "
         normalize: scale each vector to unit length (then dot product = cosine).
         batch_size: texts per forward pass.
         max_len: most tokens per text, special tokens included (default: what the model's positions allow).
-        show_progress: a tqdm progress bar (stderr).
+        show_progress: a progress bar (stderr; `pretune.io.progress`).
 
     Returns:
         ``(len(texts), dim)`` float32 array.
@@ -199,9 +199,9 @@ def embed_texts(model, tok: Tokenizer, texts: Sequence[str], *, pooling: str = "
     model.eval()
     bar = None
     if show_progress:
-        from tqdm.auto import tqdm
+        from ..io.progress import progress
 
-        bar = tqdm(total=len(texts), unit="text", desc="embedding", dynamic_ncols=True)
+        bar = progress(total=len(texts), unit="text", desc="embedding", dynamic_ncols=True)
     try:
         with torch.no_grad():
             for start in range(0, len(texts), batch_size):

@@ -80,11 +80,11 @@ def subsample(records: list[Record], n: int, seed: int) -> list[Record]:
 def encode_records(task, records: list[Record], *, labelled: bool = True, show_progress: bool = False,
                    desc: str = "encode") -> list[dict]:
     """Every record's features, each tagged with its record index (``_record``)."""
-    from tqdm.auto import tqdm
+    from ..io.progress import progress
 
     feats = []
-    for i, rec in enumerate(tqdm(records, desc=desc, unit="rec", disable=not show_progress or len(records) < 2000,
-                                 leave=False)):
+    for i, rec in enumerate(progress(records, desc=desc, unit="rec", leave=False,
+                                     disable=not show_progress or len(records) < 2000)):
         for f in task.encode(rec, labelled=labelled):
             f["_record"] = i
             feats.append(f)
@@ -98,7 +98,7 @@ def run_outputs(task, model, features: list[dict], *, batch_size: int = 64, prec
     With ``loss_sums`` (a dict), also accumulates the loss-term sums and counts (for perplexity)."""
     import contextlib
 
-    from tqdm.auto import tqdm
+    from ..io.progress import progress
 
     device = next(model.parameters()).device
     was_training = model.training
@@ -107,7 +107,7 @@ def run_outputs(task, model, features: list[dict], *, batch_size: int = 64, prec
     out: list = [None] * len(features)
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    for chunk in tqdm(chunks, desc=desc, unit="batch", disable=not show_progress, leave=False, dynamic_ncols=True):
+    for chunk in progress(chunks, desc=desc, unit="batch", disable=not show_progress, leave=False, dynamic_ncols=True):
         batch = task.collate([features[i] for i in chunk])
         batch = {k: v.to(device) for k, v in batch.items()}
         with ctx:
