@@ -94,3 +94,14 @@ def test_a_pretraining_run_logs_a_few_lines(tmp_path, small_corpus, tokenizers_b
     train = [line for line in err.splitlines() if line.startswith("train")]
     assert "\r" not in err and len(err.splitlines()) <= 8, err
     assert _counts("\n".join(train)) == [0, 40]
+
+
+def test_every_bar_goes_through_progress():
+    """No module draws a tqdm bar of its own (``tqdm.write`` is fine): a new one would redraw into logs again."""
+    import re
+    from pathlib import Path
+
+    src = Path(P.__file__).resolve().parents[1]
+    direct = [f"{p.relative_to(src)}:{i}" for p in sorted(src.rglob("*.py")) if p != Path(P.__file__).resolve()
+              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\btqdm\(", line)]
+    assert not direct, f"tqdm bars outside pretune.io.progress (use progress(...)): {direct}"

@@ -140,8 +140,7 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
         and, at batch 1, ``target_met`` (ratio >= 1.3); the same keys prefixed ``compiled_`` (target 1.5) for
         pretune-compiled, with ``compiled_first_seconds`` (median warm-up call, compiling included).
     """
-    from tqdm import tqdm
-
+    from ..io.progress import progress
     from .finetune import default_threads
 
     if rounds < 1:
@@ -165,7 +164,7 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
             plan += [Job(impl, str(model), batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
                          threads=threads, seed=seed) for impl in order]
     samples: dict[tuple, list[dict]] = {}
-    for job in tqdm(plan, desc="bench generate", unit="run", disable=not show_progress):
+    for job in progress(plan, desc="bench generate", unit="run", disable=not show_progress):
         res = spawn(job, "pretune.bench.generate")
         samples.setdefault((job.batch, job.impl), []).append(res)
         if echo is not None:

@@ -256,8 +256,8 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
     from pathlib import Path
 
     import numpy as np
-    from tqdm import tqdm
 
+    from ..io.progress import progress
     from ..io.realmodels import smollm2_dir
 
     impls = tuple(impls)
@@ -272,7 +272,7 @@ def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0
                 plan += [Job(impl, dt, batch_file=batch_file, **job_kw) for impl in order]
         if eval_records:
             plan += [Job("eval", dt, eval_records=eval_records, threads=job_kw.get("threads", 0)) for dt in dtypes]
-        for job in tqdm(plan, desc="bench sft", unit="run"):
+        for job in progress(plan, desc="bench sft", unit="run"):
             samples.setdefault((job.dtype, job.impl), []).append(spawn_worker(job, "pretune.bench.sft"))
     rows = []
     for dt in dtypes:
