@@ -188,3 +188,49 @@ def test_show_prints_a_decoder_sized_apart(tmp_path, capsys):
     assert main(["show", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     assert f"; decoder 2 heads x {model.config.dim // 2}" in out and "; decoder inner 40" in out
+
+
+def _leaf_commands(parser, path=()):
+    """(argv prefix, parser) of every command that runs: pretune finetune, pretune tokenizer train, ..."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield list(path), parser
+        return
+    for name, p in subs[0].choices.items():
+        yield from _leaf_commands(p, (*path, name))
+
+
+def _typo(flag: str) -> str:
+    """``--epochs`` -> ``--peochs``: two letters after the dashes swapped."""
+    return flag[:2] + flag[3] + flag[2] + flag[4:]
+
+
+def test_a_mistyped_flag_names_the_nearest_option_in_every_command(capsys):
+    """Issue 32: `pretune finetune --epohcs 3` got a bare argparse error; every command names the nearest option."""
+    from pretune.cli import build_parser
+
+    commands = list(_leaf_commands(build_parser()))
+    assert len(commands) >= 20
+    for path, parser in commands:
+        options = [o for o in parser._option_string_actions if o.startswith("--") and o != "--help"]
+        flag = max(options, key=len) if options else "--help"  # `pretune presets` has no other
+        argv = [*path, _typo(flag), "3"]
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2, argv
+        assert f"usage: {parser.prog}" in err and f"{parser.prog}: error:" in err, (argv, err)  # demo: quickstart
+        assert f"did you mean {flag}" in err, (argv, err)
+
+
+def test_a_mistyped_flag_with_a_required_argument_missing_names_both(capsys):
+    with pytest.raises(SystemExit):
+        main(["predict", "model", "data.jsonl", "--otu", "p.jsonl"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "pretune predict: error: the following arguments are required: --out (did you mean --out for --otu?)"
+    with pytest.raises(SystemExit):
+        main(["finetune", "--epohcs", "3"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "pretune finetune: error: unrecognized arguments: --epohcs (did you mean --epochs?)"

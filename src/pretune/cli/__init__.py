@@ -36,14 +36,57 @@ EPILOG = """examples:
 
 
 OVERRIDE = re.compile(r"^-{0,2}[A-Za-z_]\w*\.[\w.]+=")  # a `section.key=value` config override
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a negative number is a value, not a flag (argparse's own test)
 
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors also name the nearest option of each flag it does not know (``--epohcs``:
+    did you mean ``--epochs``?). Subcommands' parsers are of the same class (``add_subparsers`` makes its parent's)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)  # what this (sub)command's parser was handed
+        return super().parse_known_args(args, namespace)
+
+    def unknown_flags(self) -> list[str]:
+        """The flags given to this parser that are none of its options, nor an abbreviation of one."""
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        out = []
+        for arg in getattr(self, "_given", []):
+            if arg == "--":
+                break
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("-") and not _NUMBER.match(flag) and flag not in self._option_string_actions and \
+                    not any(o.startswith(flag) for o in options):
+                out.append(flag)
+        return out
+
+    def error(self, message: str):
+        import difflib
+
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        hints = []
+        for flag in dict.fromkeys(self.unknown_flags()):
+            near = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+            if near:
+                hints.append(f"did you mean {near[0]}" + ("" if flag in message else f" for {flag}") + "?")
+        super().error(message + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def _command_parser(parser: Parser) -> Parser:
+    """The parser of the (sub)command that ``parser``'s one parse ran (``pretune tokenizer train`` -> the ``train``
+    parser): among each level's subcommands, the one that was handed arguments."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        used = [p for p in (subs[0].choices.values() if subs else ()) if hasattr(p, "_given")]
+        if not used:
+            return parser
+        parser = used[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pretune`` parser: each command's subparser is added by the module that holds the command."""
-    p = argparse.ArgumentParser(prog="pretune", description="Pretrain once, finetune many times: "
-                                "transformer language models end to end.", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="pretune", description="Pretrain once, finetune many times: transformer language models end to "
+               "end.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .. import __version__
 
     p.add_argument("--version", action="version", version=f"pretune {__version__}")
@@ -80,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("pretrain", "distill", "finetune"):  # section.key=value (or --section.key=value) anywhere
         overrides = [a.lstrip("-") for a in argv[1:] if OVERRIDE.match(a)]
         argv = [argv[0]] + [a for a in argv[1:] if not OVERRIDE.match(a)]
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's parser says so, with its usage and the nearest of its options
+        _command_parser(parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("pretrain", "distill", "finetune"):
         args.overrides = overrides
     try:
