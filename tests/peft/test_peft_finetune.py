@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import pytest
+import torch
 
 import pretune
 from conftest import corpus_paragraphs
@@ -182,3 +183,21 @@ def test_lora_layout_is_peft_when_transformers_has_the_head_else_the_run_says_wh
     if layout == "peft":
         peft_lib = pytest.importorskip("peft")
         assert peft_lib.LoraConfig.from_pretrained(str(res.model_dir)).r == 8
+
+
+def test_full_lora_and_bitfit_runs_are_three_different_models(base, data, tmp_path):
+    """Issue 32: the README's spam runs with full finetuning, LoRA and BitFit printed the same test figures. The
+    runs train different weights, so their test probabilities differ even when their predicted labels agree."""
+    tok = Tokenizer.load(base / "tokenizer.json")
+    ids = torch.tensor([tok.encode("She was not at all surprised by the long letter.")])
+    logits = {}
+    for method in ("full", "lora", "bitfit"):
+        cfg = _cfg(base, data, tmp_path / method, "" if method == "full" else method, "train.steps=3",
+                   "tune.epochs=0")
+        res = finetune(cfg, show_progress=False, log=lambda *a: None)
+        model = pretune.load(res.model_dir).eval()
+        with torch.no_grad():
+            logits[method] = model(ids).logits
+    assert logits["full"].shape == (1, 2)
+    for a, b in (("full", "lora"), ("full", "bitfit"), ("lora", "bitfit")):
+        assert not torch.allclose(logits[a], logits[b], atol=1e-4), (a, b)
