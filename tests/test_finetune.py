@@ -156,11 +156,17 @@ def test_labels_that_do_not_match_the_models_label_map(tokenizers_by_kind, cls_d
 
 
 def test_missing_field_names_the_row_and_the_fix(tokenizers_by_kind, cls_data, tmp_path):
-    train = _write(tmp_path / "train.jsonl", [{"text": "one.", "label": "a"}, {"sentence": "two.", "label": "b"}])
+    # no row has the field: name the setting that renames it; only this row lacks it: say so (issue 32)
+    train = _write(tmp_path / "train.jsonl", [{"sentence": "one.", "label": "a"}, {"sentence": "two.", "label": "b"}])
     data = dict(cls_data, train=train)
-    with pytest.raises(DataError, match=r"train.jsonl:2: missing field 'text'.*the record has: label, sentence.*"
+    with pytest.raises(DataError, match=r"train.jsonl:1: missing field 'text'.*the record has: label, sentence.*"
                                         r"task.text_field"):
         finetune(_cfg(tokenizers_by_kind, data, tmp_path / "run"), show_progress=False, log=lambda *a: None)
+    train = _write(tmp_path / "train.jsonl", [{"text": "one.", "label": "a"}, {"sentence": "two.", "label": "b"}])
+    with pytest.raises(DataError, match=r"train.jsonl:2: missing field 'text'; the record has: label, sentence. "
+                                        r"Other records of the file have it: fill it in or drop the record$"):
+        finetune(_cfg(tokenizers_by_kind, dict(data, train=train), tmp_path / "run"), show_progress=False,
+                 log=lambda *a: None)
 
 
 def test_empty_dataset_is_an_error(tokenizers_by_kind, cls_data, tmp_path):

@@ -86,6 +86,9 @@ def cmd_finetune(args) -> int:
     return 0
 
 
+SET_FORM = "--set {key}=..."  # how evaluate's and predict's hints spell a task setting (tasks.base.setting_form)
+
+
 def _task_overrides(args) -> dict:
     out = {}
     if getattr(args, "task", None):
@@ -103,11 +106,13 @@ def _task_overrides(args) -> dict:
 def cmd_evaluate(args) -> int:
     from ..io.outputs import check_file
     from ..jobs.inference import evaluate, format_scores
+    from ..tasks.base import setting_form
 
     if args.json:
         check_file(args.json, overwrite=args.overwrite, what="metrics file")
-    metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
-                       precision=args.precision, show_progress=not args.quiet, base=args.base or "")
+    with setting_form(SET_FORM):
+        metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
+                           precision=args.precision, show_progress=not args.quiet, base=args.base or "")
     print(format_scores(Path(args.data).name, metrics))
     if args.json:
         from ..io.outputs import write_atomic
@@ -120,9 +125,11 @@ def cmd_evaluate(args) -> int:
 def cmd_predict(args) -> int:
     from ..io.outputs import check_file
     from ..jobs.inference import predict
+    from ..tasks.base import setting_form
 
     check_file(args.out, overwrite=args.overwrite, what="predictions file")
-    n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
-                precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores)
+    with setting_form(SET_FORM):
+        n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
+                    precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores)
     print(f"wrote {n} predictions to {args.out}")
     return 0

@@ -9,6 +9,9 @@ per record, which ``tasks.metrics`` scores.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..data.readers import DataError
 from ..data.records import Record, read_records  # re-exported: tasks read their data as records
 from ..data.records import get_field as _get_field
 from ..model.layout import layout_of
@@ -64,11 +68,34 @@ class TaskConfig(metaclass=Owned):
             raise ConfigError(f"task.max_len={self.max_len} is too short (at least 8 tokens)")
 
 
+_SETTING_FORM = contextvars.ContextVar("setting_form", default="task.{key}=...")  # how hints spell a task setting
+
+
+@contextlib.contextmanager
+def setting_form(form: str) -> Iterator[None]:
+    """Within the block, hints spell a task setting as ``form`` (``{key}``: the setting's name): the default is the
+    config key finetuning reads (``task.{key}=...``); ``pretune evaluate`` / ``predict`` take ``--set {key}=...``."""
+    token = _SETTING_FORM.set(form)
+    try:
+        yield
+    finally:
+        _SETTING_FORM.reset(token)
+
+
 def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, what: str = "") -> Any:
-    """``rec.data[name]`` checked for presence and type (data/records.py); a missing field's error says which
-    task setting names it."""
-    return _get_field(rec, name, kind, what=what,
-                      hint=f"Set the task's field name (e.g. task.{_field_key(name)}=...)")
+    """``rec.data[name]`` checked for presence and type (data/records.py); when no record of the file has the
+    field, the error says which task setting names it (spelled as :func:`setting_form` says)."""
+    form = _SETTING_FORM.get().format(key=_field_key(name))
+    return _get_field(rec, name, kind, what=what, hint=f"Set the task's field name (e.g. {form})")
+
+
+def label_text(rec: Record, name: str, label: str, *, what: str = "label", expected: str = "a class name") -> str:
+    """``label`` (field ``name`` of ``rec``, as a string) unless it is empty or blank: then a DataError naming the
+    row, the field and the value, since an empty label would silently become a class of its own."""
+    if not label.strip():
+        raise DataError(f"{rec.where}: the {what} in field {name!r} is empty ({label!r}); expected {expected}. Fill "
+                        "it in or drop the record")
+    return label
 
 
 def _field_key(name: str) -> str:

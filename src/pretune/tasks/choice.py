@@ -27,7 +27,7 @@ import torch
 from ..config import ConfigError
 from ..model.layout import IGNORE, layout_of
 from .base import Record, Task, TaskConfig, get_field
-from .classify import Classification, _label_str
+from .classify import Classification, _label
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Choice(Task):
         ids = self.tok.tk.encode(self.cfg.prefix + text, add_special_tokens=False).ids[: max(room, 1)]
         feat = self.layout.prompt(np.asarray(ids, dtype=np.int64), eos=self.eos)
         if labelled:
-            label = _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
+            label = _label(rec, self.cfg.label_field)
             if label not in self.label_ids:
                 raise ConfigError(f"{rec.where}: label {label!r} is not one of the task's labels "
                                   f"({', '.join(self.labels)})")
@@ -144,7 +144,7 @@ class Choice(Task):
         return [self.labels[int(np.argmax(o))] for o in outputs]
 
     def reference(self, rec: Record):
-        return _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
+        return _label(rec, self.cfg.label_field)
 
     def prediction_json(self, rec, pred):
         return {"text": get_field(rec, self.cfg.text_field), "prediction": pred}

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from .base import Layout, Record, Task, TaskConfig, get_field
+from .base import Layout, Record, Task, TaskConfig, get_field, label_text
 
 POOLINGS = ("pooler", "cls", "mean", "last")
 
@@ -57,6 +57,11 @@ class RegressionSettings(SentenceSettings):
 
 def _label_str(value) -> str:
     return value if isinstance(value, str) else (str(int(value)) if float(value).is_integer() else str(value))
+
+
+def _label(rec: Record, field: str) -> str:
+    """A record's label as a string (a JSON number as its digits); an empty one is refused, naming the row."""
+    return label_text(rec, field, _label_str(get_field(rec, field, (str, int, float))))
 
 
 def _label_order(label: str) -> tuple:
@@ -114,28 +119,32 @@ class Classification(Task):
         if cfg.labels:
             return list(cfg.labels)
         found = set()
-        numbers, words = [], []  # records whose label is a JSON number / a string that is not one
-        for rec in records:
+        numbers, words = [], []  # (position, record, label) whose label is a JSON number / a string that is not one
+        for i, rec in enumerate(records):
             value = get_field(rec, cfg.label_field, (str, int, float))
-            found.add(_label_str(value))
+            found.add(label_text(rec, cfg.label_field, _label_str(value)))
             if isinstance(value, str):
                 if _label_order(value)[0]:
-                    words.append(value)
+                    words.append((i, rec, value))
             else:
-                numbers.append((rec, value))
+                numbers.append((i, rec, value))
         if numbers and words:  # 1 among "ham"/"spam" would silently become a third class
-            rec, value = numbers[0]
-            shown = ", ".join(repr(w) for w in sorted(set(words))[:5])
-            raise DataError(f"{rec.where}: label {value!r} is a number, while {len(words)} other records have text "
-                            f"labels ({shown}); {len(numbers)} record(s) have number labels. Use one kind of label "
-                            f"in field {cfg.label_field!r} (or list the classes with task.labels=[...])")
+            # the rarer kind is the mistake (a tie: the kind the first record does not have); name its first record
+            odd_is_number = (len(numbers), -numbers[0][0]) < (len(words), -words[0][0])
+            odd, usual = (numbers, words) if odd_is_number else (words, numbers)
+            kind, other = ("a number", "text") if odd_is_number else ("text", "number")
+            _, rec, value = odd[0]
+            shown = ", ".join(repr(v) for v in sorted({v for _, _, v in usual})[:5])
+            raise DataError(f"{rec.where}: label {value!r} is {kind}, while {len(usual)} other records have {other} "
+                            f"labels ({shown}); {len(odd)} record(s) have {kind.removeprefix('a ')} labels. Use one "
+                            f"kind of label in field {cfg.label_field!r} (or list the classes with task.labels=[...])")
         if len(found) < 2:
             raise DataError(f"the training data has {len(found)} distinct label(s) in field {cfg.label_field!r} "
                             f"({sorted(found)}): classification needs at least 2")
         return sorted(found, key=_label_order)
 
     def label_id(self, rec: Record) -> int:
-        label = _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
+        label = _label(rec, self.cfg.label_field)
         if label not in self.label_ids:
             known = ", ".join(self.labels[:20]) + (" ..." if len(self.labels) > 20 else "")
             raise DataError(f"{rec.where}: label {label!r} is not in the model's label map ({known})")
@@ -162,7 +171,7 @@ class Classification(Task):
         return [self.labels[int(np.argmax(o))] for o in outputs]
 
     def reference(self, rec: Record):
-        return _label_str(get_field(rec, self.cfg.label_field, (str, int, float)))
+        return _label(rec, self.cfg.label_field)
 
     def prediction_json(self, rec, pred):
         return {"prediction": pred}

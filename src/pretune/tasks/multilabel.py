@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from .base import Record, get_field
+from .base import Record, get_field, label_text
 from .classify import Classification, ClassificationSettings, _label_order, _label_str
 
 
@@ -112,4 +112,5 @@ def _names(rec: Record, field: str) -> list[str]:
     bad = [v for v in values if not isinstance(v, (str, int, float)) or isinstance(v, bool)]
     if bad:
         raise DataError(f"{rec.where}: field {field!r} should list label names, got {bad[0]!r}")
-    return list(dict.fromkeys(_label_str(v) for v in values))
+    expected = "a label name ([] for a text no label applies to)"
+    return list(dict.fromkeys(label_text(rec, field, _label_str(v), expected=expected) for v in values))

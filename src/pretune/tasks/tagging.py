@@ -18,7 +18,7 @@ from torch import nn
 
 from ..data.readers import DataError
 from ..objectives.base import IGNORE
-from .base import Layout, Record, Task, TaskConfig, get_field
+from .base import Layout, Record, Task, TaskConfig, get_field, label_text
 
 
 @dataclass
@@ -54,13 +54,11 @@ class Tagging(Task):
         return words
 
     def tags(self, rec: Record, n_words: int) -> list[str]:
-        tags = get_field(rec, self.cfg.tags_field, (list, str), what="one tag per word")
-        if isinstance(tags, str):
-            tags = tags.split()
+        tags = _tags(rec, self.cfg.tags_field)
         if len(tags) != n_words:
             raise DataError(f"{rec.where}: {len(tags)} tags for {n_words} words ({self.cfg.tags_field!r} and "
                             f"{self.cfg.tokens_field!r} must have the same length)")
-        return [str(t) for t in tags]
+        return tags
 
     @classmethod
     def label_set(cls, cfg, records):
@@ -68,8 +66,7 @@ class Tagging(Task):
             return list(cfg.labels)
         found: set[str] = set()
         for rec in records:
-            tags = get_field(rec, cfg.tags_field, (list, str), what="one tag per word")
-            found.update(str(t) for t in (tags.split() if isinstance(tags, str) else tags))
+            found.update(_tags(rec, cfg.tags_field))
         if not found:
             raise DataError(f"no tags found in field {cfg.tags_field!r} of the training data")
         return sorted(found, key=lambda t: (t != "O", t[2:] if t[1:2] == "-" else t, t))  # O first, then B/I pairs
@@ -119,3 +116,12 @@ class Tagging(Task):
 
     def prediction_json(self, rec, pred):
         return {"tokens": self.words(rec), "prediction": pred}
+
+
+def _tags(rec: Record, field: str) -> list[str]:
+    """A record's tags as strings (a string: split at whitespace); an empty tag is refused, naming the word."""
+    tags = get_field(rec, field, (list, str), what="one tag per word")
+    tags = [str(t) for t in (tags.split() if isinstance(tags, str) else tags)]
+    for i, tag in enumerate(tags):
+        label_text(rec, field, tag, what=f"tag of word {i + 1}", expected="a tag such as O or B-PER")
+    return tags
