@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +27,7 @@ from ..model.layout import layout_of
 from ..objectives.base import IGNORE, Objective
 from ..runconfig import Owned
 
-__all__ = ["Task", "TaskConfig", "Layout", "Record", "read_records", "get_field", "IGNORE"]
+__all__ = ["Task", "TaskConfig", "Baseline", "Layout", "Record", "read_records", "get_field", "most_common", "IGNORE"]
 
 
 
@@ -104,6 +105,21 @@ def _field_key(name: str) -> str:
 
     keys = [k for k, v in task_defaults().items() if k.endswith("_field") and v == name]
     return keys[0] if keys else "<x>_field"
+
+
+@dataclass
+class Baseline:
+    """What a model that ignores its input scores: the floor a trained model must beat (``Task.baseline``)."""
+
+    what: str  # the constant guess in words: "always 'pos' (the most frequent training label, 62%)"
+    metrics: dict  # the task's metrics of that guess on the scored records
+
+
+def most_common(values: Iterable[Hashable]) -> tuple[Any, float]:
+    """The most frequent value and its share of ``values`` (a tie: the one seen first)."""
+    counts = Counter(values)
+    value, n = counts.most_common(1)[0]
+    return value, n / sum(counts.values())
 
 
 class Task(Objective):
@@ -196,6 +212,22 @@ class Task(Objective):
         from .metrics import compute
 
         return compute(list(self.metrics), predictions, references)
+
+    # -- a model that reads no input --------------------------------------------------------------
+    def baseline_predictions(self, train: list[Record], records: list[Record]) -> tuple[list, str] | None:
+        """What a model that ignores its input would predict for each of ``records``, learned from the ``train``
+        records (the majority class, the mean value), and that guess in words; None: the task has no such guess
+        (seq2seq, sft: a run is judged by its train loss alone)."""
+        return None
+
+    def baseline(self, train: list[Record], records: list[Record]) -> Baseline | None:
+        """The task's metrics on ``records`` of :meth:`baseline_predictions`: what a trained model must beat
+        (``pretune finetune`` warns when its dev score does not)."""
+        guess = self.baseline_predictions(train, records) if train and records else None
+        if guess is None:
+            return None
+        preds, what = guess
+        return Baseline(what=what, metrics=self.score(preds, [self.reference(r) for r in records]))
 
     @staticmethod
     def higher_is_better(metric: str) -> bool:

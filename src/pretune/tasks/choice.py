@@ -26,7 +26,7 @@ import torch
 
 from ..config import ConfigError
 from ..model.layout import IGNORE, layout_of
-from .base import Record, Task, TaskConfig, get_field
+from .base import Record, Task, TaskConfig, get_field, most_common
 from .classify import Classification, _label
 
 
@@ -145,6 +145,11 @@ class Choice(Task):
 
     def reference(self, rec: Record):
         return _label(rec, self.cfg.label_field)
+
+    def baseline_predictions(self, train, records):
+        """The majority class of the training records, for every record."""
+        label, share = most_common(self.reference(r) for r in train)
+        return [label] * len(records), f"always {label!r} (the most frequent training label, {share:.0%})"
 
     def prediction_json(self, rec, pred):
         return {"text": get_field(rec, self.cfg.text_field), "prediction": pred}

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from .base import Layout, Record, Task, TaskConfig, get_field, label_text
+from .base import Layout, Record, Task, TaskConfig, get_field, label_text, most_common
 
 POOLINGS = ("pooler", "cls", "mean", "last")
 
@@ -173,6 +173,11 @@ class Classification(Task):
     def reference(self, rec: Record):
         return _label(rec, self.cfg.label_field)
 
+    def baseline_predictions(self, train, records):
+        """The majority class of the training records, for every record."""
+        label, share = most_common(self.reference(r) for r in train)
+        return [label] * len(records), f"always {label!r} (the most frequent training label, {share:.0%})"
+
     def prediction_json(self, rec, pred):
         return {"prediction": pred}
 
@@ -226,6 +231,11 @@ class Regression(Classification):
 
     def reference(self, rec: Record):
         return _number(rec, self.cfg.label_field)
+
+    def baseline_predictions(self, train, records):
+        """The mean of the training values, for every record (its correlations are 0)."""
+        mean = float(np.mean([self.reference(r) for r in train]))
+        return [mean] * len(records), f"always {mean:.4g} (the mean training value)"
 
     def counts(self, batch):
         return {self.term: int(batch["labels"].shape[0])}

@@ -139,5 +139,9 @@ class QA(Task):
     def reference(self, rec: Record):
         return [t for t, _ in self.answers(rec) if t != ""]
 
+    def baseline_predictions(self, train, records):
+        """No answer, for every question (SQuAD 2.0's floor: it scores only the unanswerable ones)."""
+        return [""] * len(records), "always no answer"
+
     def prediction_json(self, rec, pred):
         return {"question": get_field(rec, self.cfg.question_field), "prediction": pred}

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..data.readers import DataError
 from ..objectives.base import IGNORE
-from .base import Layout, Record, Task, TaskConfig, get_field, label_text
+from .base import Layout, Record, Task, TaskConfig, get_field, label_text, most_common
 
 
 @dataclass
@@ -113,6 +113,12 @@ class Tagging(Task):
 
     def reference(self, rec: Record):
         return self.tags(rec, len(self.words(rec)))
+
+    def baseline_predictions(self, train, records):
+        """The most frequent training tag, for every word."""
+        tag, share = most_common(t for r in train for t in self.reference(r))
+        return ([[tag] * len(self.words(r)) for r in records],
+                f"every word {tag!r} (the most frequent training tag, {share:.0%} of words)")
 
     def prediction_json(self, rec, pred):
         return {"tokens": self.words(rec), "prediction": pred}
