@@ -58,6 +58,9 @@ def test_finetune_saves_a_checkpoint_with_label_map_and_task(tokenizers_by_kind,
     results = json.loads((res.run_dir / "results.json").read_text())
     assert results["test"] == res.test and 0 <= res.test["accuracy"] <= 1
     assert set(res.test) == {"accuracy", "macro_f1", "micro_f1", "mcc"}
+    # what the dev score is judged against (the task's baseline) and the warnings when it is no better
+    assert results["baseline"]["what"] == "always 'long' (the most frequent training label, 53%)"
+    assert results["baseline"]["split"] == "dev" and results["warnings"] == res.warnings
     # evaluate reproduces the run's own test score; predict writes one line per record
     again = evaluate(res.model_dir, cls_data["test"], show_progress=False)
     assert again["accuracy"] == pytest.approx(res.test["accuracy"])
@@ -84,6 +87,35 @@ def test_early_stopping_stops_after_patience(tokenizers_by_kind, cls_data, tmp_p
     res = finetune(cfg, show_progress=False, log=lambda *a: None)
     assert len(res.history) == 3 and res.best_step == res.history[0][0]
     assert json.loads((res.run_dir / "results.json").read_text())["stopped_early"] is True
+
+
+def test_a_run_that_cannot_learn_warns_with_the_numbers_and_what_to_try(tokenizers_by_kind, tmp_path):
+    # every text the same: no model beats the majority class; a batch of the whole training set at lr 1e-12 without
+    # dropout: every step's loss is the same, so it does not fall
+    d = tmp_path / "data"
+    d.mkdir()
+    labels = ["a", "b", "a", "a", "b"] * 8  # 60% 'a'
+    rows = [{"text": "the same words every time", "label": x} for x in labels]
+    data = {"train": _write(d / "train.jsonl", rows), "dev": _write(d / "dev.jsonl", rows[:20]),
+            "test": _write(d / "test.jsonl", rows[:10])}
+    lines = []
+    cfg = _cfg(tokenizers_by_kind, data, tmp_path / "run", "train.batch_size=64", "tune.epochs=0", "train.steps=6",
+               "train.lr=1e-12", "model.dropout=0.0")
+    res = finetune(cfg, show_progress=False, log=lines.append)
+    results = json.loads((res.run_dir / "results.json").read_text())
+    assert results["warnings"] == res.warnings
+    by_kind = {w["kind"]: w for w in res.warnings}
+    assert set(by_kind) == {"no_better_than_baseline", "loss_did_not_fall"}
+    base = by_kind["no_better_than_baseline"]
+    assert base["baseline"] == results["baseline"]["accuracy"] == 0.6  # the dev records are 60% 'a' too
+    assert base["baseline_what"] == "always 'a' (the most frequent training label, 60%)"
+    assert base["value"] == res.dev["accuracy"] <= 0.6 and base["metric"] == "accuracy" and base["split"] == "dev"
+    loss = by_kind["loss_did_not_fall"]
+    assert loss["last"] == pytest.approx(loss["first"], rel=1e-4) and loss["steps_averaged"] == 1
+    said = lines[-1]  # the last thing the run says
+    assert said.startswith("warning: training did not take: dev accuracy") and "the train loss did not fall" in said
+    assert "6 optimizer steps (6 epochs of 1 step of 40 examples) at lr 1e-12" in said
+    assert "--epochs 12" in said and "--lr 5e-05" in said and f"check the labels in {data['train']}" in said
 
 
 def test_freeze_body_trains_only_the_head(tokenizers_by_kind, cls_data, tmp_path):
@@ -286,7 +318,8 @@ def test_epochs_zero_trains_for_train_steps_and_says_so(tokenizers_by_kind, cls_
     head = next(line for line in said if line.startswith("pretune finetune:"))
     assert "4 steps of 16 (train.steps, as tune.epochs=0)" in head and "(0 epochs)" not in head
     assert any(line.startswith("precision: ") for line in said)
-    assert said[-1].startswith("model -> ") and "the run folder holds" in said[-1] and " MB" in said[-1]
+    end = said[-1 - bool(res.warnings)]  # 4 steps from scratch do not take: the warning comes last
+    assert end.startswith("model -> ") and "the run folder holds" in end and " MB" in end
 
 
 def test_predictions_carry_the_gold_label_and_scores_on_request(tokenizers_by_kind, cls_data, tmp_path):

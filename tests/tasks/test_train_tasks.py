@@ -7,7 +7,8 @@ broken (labels on the wrong token, spans off by one, a decoder trained on the wr
 those fall to chance or below, as the comments state. The runs are seeded (``train.seed``) and run on one
 thread (conftest), so the scores are repeatable.
 
-Every test also checks that ``evaluate(model_dir, test file)`` reproduces the run's test metrics and that
+Every test also checks that the run does not warn that training did not take (its dev score beats the task's
+baseline, its train loss fell), that ``evaluate(model_dir, test file)`` reproduces the run's test metrics and that
 ``predict`` writes one JSON line per record.
 """
 
@@ -63,6 +64,7 @@ def run(tmp_path: Path, task: str, model: str, tokenizer: str, files: dict[str, 
         f"data.dev={files['dev']}", f"data.test={files['test']}", f"train.out={tmp_path / 'run'}",
         "train.seed=0", "train.batch_size=16", "train.lr=3e-3", "task.max_len=64", *overrides])
     result = finetune(cfg, show_progress=False, log=lambda *a, **k: None)
+    assert result.warnings == [], result.warnings  # it learnt: better than the task's baseline, its loss fell
     again = evaluate(result.model_dir, files["test"], show_progress=False)
     assert again.keys() == result.test.keys()
     for k, v in result.test.items():

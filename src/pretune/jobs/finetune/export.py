@@ -1,5 +1,5 @@
-"""After training: save the (best) model or adapter, score dev and test, write results.json, the test predictions
-and the loss plot."""
+"""After training: save the (best) model or adapter, score dev and test, say whether training took (``diagnose``),
+write results.json, the test predictions and the loss plot."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...tasks.run import evaluate_task, format_scores, write_predictions
+from .diagnose import check_training, format_warnings
 from .prepare import Prepared
 
 
@@ -21,6 +22,7 @@ class FinetuneResult:
     test: dict
     best_step: int | None
     history: list = field(default_factory=list)  # (step, dev metrics) of every evaluation
+    warnings: list = field(default_factory=list)  # training did not take (diagnose.check_training): dicts
 
 
 def _size(path: Path) -> int:
@@ -68,9 +70,11 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
                                             show_progress=show_progress, desc="test", dist=dist)
         if dist.is_main:
             write_predictions(task, job.records["test"], preds, run_dir / "test_predictions.jsonl")
+    baseline, warnings = check_training(job, trainer, steps, dev=dev_final, test=test_metrics)
     results = {"task": task.name, "metric": job.metric, "best_step": best.best_step, "steps": steps,
                "stopped_early": trainer.stopped_early, "train_seconds": seconds, "dev": dev_final,
-               "test": test_metrics, "history": [{"step": s, **h} for s, h in history], **extra}
+               "test": test_metrics, "baseline": baseline, "warnings": warnings,
+               "history": [{"step": s, **h} for s, h in history], **extra}
     if dist.is_main:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         if tr.plot and (run_dir / "metrics.jsonl").is_file():
@@ -83,5 +87,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     log(f"model -> {model_dir}  ({steps} steps, {seconds:.1f}s); the run folder holds {_size(run_dir) / 1e6:.1f} MB")
     if job.method.layout_note:  # an adapter: which layout it was written in, and why when not peft's
         log(job.method.layout_note)
+    if warnings:  # the last lines of the run, where they are seen
+        log(format_warnings(warnings))
     return FinetuneResult(run_dir=run_dir, model_dir=model_dir, steps=steps, seconds=seconds, dev=dev_final,
-                          test=test_metrics, best_step=best.best_step, history=history)
+                          test=test_metrics, best_step=best.best_step, history=history, warnings=warnings)

@@ -15,8 +15,8 @@ from .prepare import Prepared
 
 def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None):
     """The shared Trainer over the training features, with dev evaluation (sharded over the processes of a torchrun
-    run, gathered), keep-best and early stopping."""
-    from ...train.callbacks import EarlyStopping, EvalHistory, KeepBest
+    run, gathered), keep-best, early stopping and the train losses (did training take? ``diagnose``)."""
+    from ...train.callbacks import EarlyStopping, EvalHistory, KeepBest, TrainLosses
     from ...train.dist import DistInfo
     from ...train.loop import ExampleSet, Trainer
 
@@ -39,7 +39,7 @@ def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None):
                              features=job.features["dev"], show_progress=show_progress, desc="dev", dist=dist)
         return {f"dev_{k}": v for k, v in m.items()}
 
-    callbacks = [EvalHistory(), KeepBest(f"dev_{job.metric}", trained_params, higher=higher,
+    callbacks = [EvalHistory(), TrainLosses(), KeepBest(f"dev_{job.metric}", trained_params, higher=higher,
                                          restore=cfg.tune.keep_best)]
     if cfg.tune.patience:
         callbacks.append(EarlyStopping(f"dev_{job.metric}", cfg.tune.patience, higher=higher))
