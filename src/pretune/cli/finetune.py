@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from .. import catalog
-from .flags import FINETUNE_FLAGS, add_flags, config_layer, is_worker
+from .flags import FINETUNE_FLAGS, add_run_options, config_layer, is_worker
 
 FINETUNE_EPILOG = f"""tasks and the record fields they read (rename with task.<x>_field=NAME):
 {catalog.listing(catalog.TASKS)}
@@ -31,17 +31,11 @@ def add_finetune_parsers(sub) -> None:
                        "section.key=value overrides (sections: model, tokenizer, task, data, tune, peft, train; see "
                        "--print-config).",
                        epilog=FINETUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. task.max_len=64")
-    s.add_argument("--config", metavar="YAML", help="finetuning config file")
-    add_flags(s, FINETUNE_FLAGS)
-    s.add_argument("--resume", action="store_true", help="continue the run in --out from its newest intact checkpoint "
-                   "(bit for bit as if it had not stopped)")
-    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
-                   "that run wrote is removed, nothing else)")
-    s.add_argument("--print-config", action="store_true", help="print the config the run would use and exit: "
-                   "values derived from the data (steps from epochs, warmup, evaluation interval, learning rate) "
-                   "filled in and marked")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_run_options(s, FINETUNE_FLAGS, example="task.max_len=64", config="finetuning config file",
+                    resume="continue the run in --out from its newest intact checkpoint (bit for bit as if it had "
+                    "not stopped)",
+                    print_config="print the config the run would use and exit: values derived from the data (steps "
+                    "from epochs, warmup, evaluation interval, learning rate) filled in and marked")
     s.set_defaults(func=cmd_finetune)
 
     for name, helptext in (("evaluate", "score a finetuned model on a labelled file with the task's metrics"),

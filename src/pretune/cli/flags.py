@@ -95,6 +95,24 @@ def add_flags(parser, flags: tuple[Flag, ...]) -> None:
         parser.add_argument(f.flag, **kwargs)
 
 
+_DEFAULT_RESUME = "continue from the newest checkpoint in the run folder"
+_DEFAULT_PRINT = "print the resolved config and exit"
+
+
+def add_run_options(parser, flags: tuple[Flag, ...], *, example: str, config: str = "run config file",
+                    resume: str = _DEFAULT_RESUME, print_config: str = _DEFAULT_PRINT) -> None:
+    """What every training command takes: section.key=value overrides, --config, its flag table, --resume,
+    --overwrite, --print-config and --quiet (``example``: an override for the help)."""
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help=f"config overrides, e.g. {example}")
+    parser.add_argument("--config", metavar="YAML", help=config)
+    add_flags(parser, flags)
+    parser.add_argument("--resume", action="store_true", help=resume)
+    parser.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run "
+                        "(what that run wrote is removed, nothing else)")
+    parser.add_argument("--print-config", action="store_true", help=print_config)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def config_layer(args, flags: tuple[Flag, ...]) -> dict:
     """The flags given on the command line as a nested config dict (``{"train": {"lr": 0.001}}``)."""
     out: dict = {}

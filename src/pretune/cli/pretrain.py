@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import catalog
-from .flags import DISTILL_FLAGS, PRETRAIN_FLAGS, add_flags, config_layer, is_worker
+from .flags import DISTILL_FLAGS, PRETRAIN_FLAGS, add_run_options, config_layer, is_worker
 
 
 def add_pretrain_parsers(sub) -> None:
@@ -20,14 +20,7 @@ def add_pretrain_parsers(sub) -> None:
                        "--objective mlm --tokenizer tok.json --data corpus/*.txt.gz train.steps=200 "
                        "objective.whole_word=true",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-3")
-    s.add_argument("--config", metavar="YAML", help="run config file")
-    add_flags(s, PRETRAIN_FLAGS)
-    s.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
-    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
-                   "that run wrote is removed, nothing else)")
-    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_run_options(s, PRETRAIN_FLAGS, example="train.lr=1e-3")
     s.set_defaults(func=cmd_pretrain)
 
     s = sub.add_parser("distill", help="knowledge distillation: train a student on a teacher's soft predictions "
@@ -42,14 +35,7 @@ def add_pretrain_parsers(sub) -> None:
                        "model.n_layers=1 --init-from-teacher every_other --data corpus.txt --out runs/distil "
                        "train.steps=200\nsee docs/distill.md",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.lr=1e-3")
-    s.add_argument("--config", metavar="YAML", help="run config file")
-    add_flags(s, DISTILL_FLAGS)
-    s.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
-    s.add_argument("--overwrite", action="store_true", help="start over in a folder that holds an earlier run (what "
-                   "that run wrote is removed, nothing else)")
-    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_run_options(s, DISTILL_FLAGS, example="train.lr=1e-3")
     s.set_defaults(func=cmd_distill)
 
 
