@@ -23,6 +23,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _alternate(fn, a, b, rounds: int, device: str, per_round: bool = False):
+    """fn(a) and fn(b) in turn after one warm-up each: the median seconds of each (and b/a per round)."""
+    fn(a), fn(b)
+    _sync(device)
+    times = ([], [])
+    for _ in range(rounds):
+        for side, model in enumerate((a, b)):
+            t = time.perf_counter()
+            fn(model)
+            _sync(device)
+            times[side].append(time.perf_counter() - t)
+    medians = statistics.median(times[0]), statistics.median(times[1])
+    return (*medians, [y / x for x, y in zip(*times)]) if per_round else medians
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -68,33 +83,13 @@ def main() -> None:
                     module.__class__ = fast_cls
                     if hasattr(module, "_init_fast"):
                         module._init_fast()
-            train_step(one), train_step(ref)
-            _sync(dev)
-            times = {"one": [], "reference": []}
-            for _ in range(args.rounds):
-                for side, model in (("one", one), ("reference", ref)):
-                    t = time.perf_counter()
-                    train_step(model)
-                    _sync(dev)
-                    times[side].append(time.perf_counter() - t)
-            o, r = statistics.median(times["one"]), statistics.median(times["reference"])
+            o, r = _alternate(train_step, one, ref, args.rounds, dev)
             print(f"training step with only {fast_cls.__name__}: {o * 1e3:.1f} ms, reference {r * 1e3:.1f} ms, "
                   f"reference/that {r / o:.2f}x")
             del one
 
     for what, fn in (("training step", train_step), ("greedy decoding, 64 tokens", decode)):
-        times = {"fast": [], "reference": []}
-        for model in (fast, ref):  # warm-up
-            fn(model)
-        _sync(dev)
-        for _ in range(args.rounds):
-            for side, model in (("fast", fast), ("reference", ref)):
-                t = time.perf_counter()
-                fn(model)
-                _sync(dev)
-                times[side].append(time.perf_counter() - t)
-        f, r = statistics.median(times["fast"]), statistics.median(times["reference"])
-        ratios = [b / a for a, b in zip(times["fast"], times["reference"])]
+        f, r, ratios = _alternate(fn, fast, ref, args.rounds, dev, per_round=True)
         print(f"{what}: fast {f * 1e3:.1f} ms, reference {r * 1e3:.1f} ms, reference/fast {r / f:.2f}x "
               f"(rounds {min(ratios):.2f}-{max(ratios):.2f})")
 
