@@ -46,7 +46,9 @@ def test_prepare_trains_on_the_subsample_and_keeps_the_dev_split(tmp_path, token
     assert len(job.records["train"]) == 60 and len(full.records["train"]) == 453 - 45
     assert {r.row for r in job.records["train"]} <= {r.row for r in full.records["train"]}
     assert [r.row for r in job.records["dev"]] == [r.row for r in full.records["dev"]]  # dev: the same 10% of all
-    assert job.cfg.train.steps == 3 * (60 // 32)  # the derived length follows the subsample
+    # the derived batch and length follow the subsample: 60 examples take batches of 8 (7 a epoch) and 20 epochs
+    assert (job.cfg.train.batch_size, job.cfg.tune.epochs, job.cfg.train.steps) == (8, 20.0, 20 * (60 // 8))
+    assert (full.cfg.train.batch_size, full.cfg.tune.epochs, full.cfg.train.steps) == (8, 5.0, 5 * (408 // 8))
     assert "data.train_limit: training on 60 of the 408 training records (drawn with train.seed=0)" in lines
     other = prepare(_cfg(tmp_path, tokenizers_by_kind, "data.train_limit=60", "train.seed=1"), **quiet)
     assert {r.row for r in other.records["train"]} != {r.row for r in job.records["train"]}

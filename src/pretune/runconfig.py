@@ -13,6 +13,8 @@ import here.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -113,9 +115,21 @@ class RunConfig:
         Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(self.to_dict())))
 
 
+_KIND = {float: "a number", int: "an integer", bool: "true or false", str: "text"}
+
+
 def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
     where = f"{section}.{name}"
     origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. float | Literal["auto"]: the first arm that takes it
+        for arm in get_args(tp):
+            try:
+                return _check_type(section, name, value, arm)
+            except ConfigError:
+                pass
+        wants = [repr(a) for arm in get_args(tp) for a in (get_args(arm) if get_origin(arm) is Literal else ())]
+        kinds = [_KIND.get(arm, str(arm)) for arm in get_args(tp) if get_origin(arm) is not Literal]
+        raise ConfigError(f"{where}={value!r}: expected {' or '.join(kinds + wants)}")
     if origin is Literal:
         if value not in get_args(tp):
             raise ConfigError(f"{where}={value!r} is not one of {list(get_args(tp))}"
@@ -154,7 +168,6 @@ def section(section: str, cls: type, values: dict) -> Any:
 
 
 def _typed(section: str, cls: type, values: dict) -> Any:
-    import typing
 
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
@@ -321,7 +334,8 @@ def merge_layers(defaults: dict, yaml_file: str | Path | None, overrides, base: 
     typed, strings = [], {}
     for o in dots:  # a text setting keeps its value as written: "Question: {q}" is text, not a YAML mapping
         key, _, value = o.partition("=")
-        if isinstance(_lookup(defaults, key), str):
+        default = _lookup(defaults, key)
+        if isinstance(default, str) and default != "auto":  # "auto" stands for a number chosen by the run
             _assign(strings, key, _unquote(value))
         else:
             typed.append(o)

@@ -93,8 +93,21 @@ def _task_overrides(args) -> dict:
             from ..config import ConfigError
 
             raise ConfigError(f"--set {item!r} must look like field=value (e.g. text_field=sentence)")
-        out[key.removeprefix("task.")] = int(value) if value.isdigit() else value
+        out[key.removeprefix("task.")] = _scalar(value)
     return out
+
+
+def _scalar(text: str):
+    """A ``--set`` value as the setting takes it: true/false, an integer, a number, else the text as written (a text
+    setting turns a number back into its text)."""
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def cmd_evaluate(args) -> int:

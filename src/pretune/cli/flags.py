@@ -12,6 +12,18 @@ from typing import Any
 from .. import catalog
 
 
+def _number_or_auto(text: str) -> float | str:
+    """A flag's value that is a number or ``auto`` (chosen by the run)."""
+    import argparse
+
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Flag:
     """One flag and the config key it sets."""
@@ -64,8 +76,8 @@ FINETUNE_FLAGS = (
     Flag("--train", "data.train", "training records"),
     Flag("--dev", "data.dev", "dev records (default: 10%% of train held out)"),
     Flag("--test", "data.test", "test records, scored at the end"),
-    Flag("--epochs", "tune.epochs", "passes over the training data (default 3; sets train.steps; 0: train for "
-         "train.steps instead)", type=float),
+    Flag("--epochs", "tune.epochs", "passes over the training data, which set train.steps (default auto: enough for "
+         "at least 250 optimizer steps, 3 to 20 epochs; 0: train for train.steps instead)", type=_number_or_auto),
     Flag("--from-scratch", "tune.from_scratch", "same architecture, random weights", switch=True),
     Flag("--freeze-body", "tune.freeze_body", "train only the task head", switch=True),
     Flag("--peft", "peft.method", f"parameter-efficient: {catalog.names(catalog.PEFT_METHODS)} or a "
@@ -78,7 +90,8 @@ FINETUNE_FLAGS = (
     Flag("--head-lr", "tune.head_lr", "peak learning rate of the task head (default: --lr for full finetuning; with "
          "--peft 1e-2, or --lr if higher, which keeps a small adapter from settling on the majority class)",
          type=float),
-    Flag("--batch-size", "train.batch_size", "examples per step (default 32)", type=int),
+    Flag("--batch-size", "train.batch_size", "examples per optimizer step (default: chosen from the data, 8 below 500 "
+         "training examples, 16 below 2,000, else 32)", type=int),
     Flag("--out", "train.out", "run folder (default runs/finetune)"),
 )
 

@@ -13,6 +13,7 @@ from ...config import ConfigError
 from ...peft.config import PeftConfig, base_dtype_for
 from ...runconfig import TrainConfig, check_batch, merge_layers, section
 from ...tasks.base import TaskConfig
+from .defaults import AUTO
 
 
 @dataclass
@@ -32,7 +33,9 @@ class FinetuneData:
 class TuneConfig:
     """What is trained and for how long; model selection on the dev set."""
 
-    epochs: float = 3.0  # passes over the training data; sets train.steps (0: use train.steps)
+    # passes over the training data, which set train.steps; auto: chosen from the number of training examples (at
+    # least defaults.MIN_STEPS optimizer steps, 3 to 20 epochs; train.steps when that is set); 0: use train.steps
+    epochs: float | Literal["auto"] = "auto"
     from_scratch: bool = False  # random initialisation, same architecture as model.init: what pretraining buys
     freeze_body: bool = False  # train only the task head (a linear probe of the pretrained features)
     evals_per_epoch: int = 1  # dev evaluations per epoch (when train.eval_every is 0)
@@ -46,7 +49,8 @@ FULL_LR = 5e-5  # full finetuning's default peak learning rate (BERT's range is 
 # a fresh task head next to a frozen body (PEFT, a linear probe): without a rate of its own it barely moves in a
 # few epochs at an adapter's 1e-3 and settles on the majority class (measured: BENCHMARKS.md, PEFT vs full)
 HEAD_LR = 1e-2
-FINETUNE_TRAIN_DEFAULTS = dict(out="runs/finetune", lr=0.0, batch_size=32, eval_every=0, save_every=0,
+# lr 0, batch_size 0 and steps 0: chosen from the method and the data (defaults.py), steps from tune.epochs
+FINETUNE_TRAIN_DEFAULTS = dict(out="runs/finetune", lr=0.0, batch_size=0, steps=0, eval_every=0, save_every=0,
                                keep_last=1, log_every=10, tensorboard=False)
 
 
@@ -60,7 +64,9 @@ class FinetuneConfig:
     data: FinetuneData = field(default_factory=FinetuneData)
     tune: TuneConfig = field(default_factory=TuneConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # peft.method empty: full finetuning
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(**FINETUNE_TRAIN_DEFAULTS))  # lr 0: the default
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(**FINETUNE_TRAIN_DEFAULTS))  # 0s: chosen
+    # config key -> how the run derived its value (prepare): comments in run.yaml and --print-config, not settings
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     SECTIONS = {"task": TaskConfig, "data": FinetuneData, "tune": TuneConfig, "peft": PeftConfig,
                 "train": TrainConfig}
@@ -69,10 +75,23 @@ class FinetuneConfig:
         return {"model": dict(self.model), "tokenizer": self.tokenizer,
                 **{k: dataclasses.asdict(getattr(self, k)) for k in self.SECTIONS}}
 
-    def save(self, path: str | Path) -> None:
+    def to_yaml(self) -> str:
+        """The config as YAML, each value the run derived marked with how (``# derived: ...``)."""
         from omegaconf import OmegaConf
 
-        Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(self.to_dict())))
+        lines = OmegaConf.to_yaml(OmegaConf.create(self.to_dict())).splitlines()
+        section = ""
+        for i, line in enumerate(lines):
+            if line and not line.startswith(" "):
+                section = line.rstrip(":")
+            elif line.startswith("  ") and not line.startswith("   "):
+                key = f"{section}.{line.strip().split(':', 1)[0]}"
+                if key in self.derived:
+                    lines[i] = f"{line}  # derived: {self.derived[key]}"
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
 
 
 def _stored_as_now(stored: dict) -> dict:
@@ -102,13 +121,20 @@ def load_finetune_config(yaml_file: str | Path | None = None, overrides=(), base
     cfg = FinetuneConfig(model=merged["model"], tokenizer=str(merged.get("tokenizer") or ""),
                          **{k: section(k, c, merged.get(k) or {}) for k, c in FinetuneConfig.SECTIONS.items()})
     tune, tr = cfg.tune, cfg.train
-    for key, value, ok, want in (("tune.epochs", tune.epochs, tune.epochs >= 0, ">= 0 (0: train for train.steps)"),
+    auto_epochs = tune.epochs == AUTO
+    for key, value, ok, want in (("tune.epochs", tune.epochs, auto_epochs or tune.epochs >= 0,
+                                  ">= 0 (0: train for train.steps), or auto"),
                                  ("tune.patience", tune.patience, tune.patience >= 0, ">= 0 (0: never stop early)"),
                                  ("tune.evals_per_epoch", tune.evals_per_epoch, tune.evals_per_epoch >= 1, ">= 1"),
                                  ("tune.warmup_ratio", tune.warmup_ratio, 0 <= tune.warmup_ratio < 1, "in [0, 1)")):
         if not ok:
             raise ConfigError(f"{key}={value:g}: expected {want}")
-    check_batch(tr)
+    if tr.batch_size or tr.grad_accum < 1:  # 0: chosen from the data
+        check_batch(tr)
+    if tr.steps < 0 or (tune.epochs == 0 and not tr.steps):
+        raise ConfigError(f"train.steps={tr.steps}: tune.epochs=0 trains for train.steps, expected a number of "
+                          "optimizer steps >= 1" if tr.steps >= 0 else
+                          f"train.steps={tr.steps}: expected >= 1 (or 0: from tune.epochs)")
     if tr.lr < 0:
         raise ConfigError(f"train.lr={tr.lr} must be > 0 (or 0: the method's default)")
     if tune.head_lr < 0:

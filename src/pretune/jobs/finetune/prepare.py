@@ -16,6 +16,7 @@ from ...runconfig import check_train
 from ...tasks.base import Record
 from ...tasks.run import encode_records, read_splits, subsample
 from ...train.precision import describe_device, resolve_precision
+from . import defaults
 from .config import FinetuneConfig
 from .methods import AdapterMethod, FullMethod, method_for
 
@@ -93,7 +94,7 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         log(f"data.packing: {n} training examples in {len(feats['train'])} rows of at most {task.max_len} tokens")
     requested = cfg.train.precision
     cfg = _resolve_train(cfg, len(feats["train"]), method, derived,
-                         task_head=model.config.head in TASK_HEADS and model.head is not None)
+                         task_head=model.config.head in TASK_HEADS and model.head is not None, log=log)
     base_dtype = base_dtype_for(cfg.peft, requested, cfg.train.precision)
     if base_dtype != cfg.peft.base_dtype:
         derived["peft.base_dtype"] = (f"auto: {base_dtype}, as train.precision is {cfg.train.precision}"
@@ -101,6 +102,7 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, base_dtype=base_dtype))
     method.setup(model, tok, cfg, log)
     metric = cfg.task.metric or task.default_metric
+    cfg = dataclasses.replace(cfg, derived=dict(derived))  # run.yaml marks them
     return Prepared(cfg=cfg, model=model, tokenizer=tok, task=task, method=method,
                     records={"train": train_recs, "dev": dev_recs, "test": test_recs}, features=feats,
                     metric=metric, derived=derived)
@@ -112,36 +114,42 @@ def resolved_yaml(cfg: FinetuneConfig) -> str:
     from omegaconf import OmegaConf
 
     if not cfg.data.train or not (cfg.model.get("init") or cfg.model.get("preset")):
-        note = ("# train.steps, warmup_steps, eval_every and lr are derived from the data and the model when the run "
-                "starts:\n# give data.train and model.init (or model.preset) to see the values it will use\n")
+        note = ("# train.batch_size, tune.epochs (so train.steps), warmup_steps, eval_every and lr are derived from the data "
+                "and the model when the run\n# starts: give data.train and model.init (or model.preset) to see the "
+                "values it will use\n")
         return note + OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
     job = prepare(cfg, show_progress=False, log=lambda *a: None)
-    lines = OmegaConf.to_yaml(OmegaConf.create(job.cfg.to_dict())).splitlines()
-    section = ""
-    for i, line in enumerate(lines):
-        if line and not line.startswith(" "):
-            section = line.rstrip(":")
-        elif line.startswith("  ") and not line.startswith("   "):
-            key = f"{section}.{line.strip().split(':', 1)[0]}"
-            if key in job.derived:
-                lines[i] = f"{line}  # derived: {job.derived[key]}"
-    return "\n".join(lines)
+    return job.cfg.to_yaml().rstrip("\n")
 
 
-def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, task_head: bool = False
-                   ) -> FinetuneConfig:
-    """train.* (and tune.head_lr) as the run uses them, recording each derivation in ``derived``."""
+def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, task_head: bool = False,
+                   log=print) -> FinetuneConfig:
+    """train.* (and tune.head_lr) as the run uses them: what the user left to choose chosen from the data and the
+    method (:mod:`.defaults`, said in the run's first lines), each derivation recorded in ``derived``."""
+    import os
+
     tr, tune = cfg.train, cfg.tune
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes: the batch is split over them
+    choice = defaults.choose(n_train, batch_size=tr.batch_size, epochs=tune.epochs, steps=tr.steps,
+                             grad_accum=tr.grad_accum * world)
+    derived.update(choice.why)
+    if choice.batch_size is not None:
+        tr = dataclasses.replace(tr, batch_size=choice.batch_size)
     if tr.batch_size > n_train:
         bs = n_train - n_train % tr.grad_accum or tr.grad_accum
         derived["train.batch_size"] = f"the {n_train} training examples (train.batch_size={tr.batch_size} is larger)"
         tr = dataclasses.replace(tr, batch_size=bs)
     per_epoch = max(1, n_train // tr.batch_size)
     steps = tr.steps
-    if tune.epochs:
-        steps = math.ceil(per_epoch * tune.epochs)
-        derived["train.steps"] = (f"tune.epochs={tune.epochs:g} x {per_epoch} steps per epoch ({n_train} training "
+    epochs = choice.epochs if choice.epochs is not None else tune.epochs
+    if epochs == defaults.AUTO:  # train.steps was set: it decides the length
+        epochs = 0.0
+        derived["tune.epochs"] = f"0: train.steps={steps} was set and decides the run's length"
+    elif epochs:
+        steps = math.ceil(per_epoch * epochs)
+        derived["train.steps"] = (f"tune.epochs={epochs:g} x {per_epoch} steps per epoch ({n_train} training "
                                   f"examples / batch {tr.batch_size}); tune.epochs=0 uses train.steps")
+    tune = dataclasses.replace(tune, epochs=float(epochs))
     eval_every = tr.eval_every
     if not eval_every:
         eval_every = max(1, per_epoch // tune.evals_per_epoch)
@@ -154,10 +162,16 @@ def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, 
     if not warmup:
         warmup = int(tune.warmup_ratio * steps)
         derived["train.warmup_steps"] = f"tune.warmup_ratio={tune.warmup_ratio:g} x {steps} steps"
-    lr = tr.lr
+    lr, lr_words = tr.lr, ""
     if not lr:
         lr = method.default_lr
         derived["train.lr"] = f"the default of {method.name}"
+        lr_words = f"lr {lr:g} ({method.name}'s)"
+    said = choice.line(n_train, steps=steps, lr=lr_words if choice.why else "",
+                       warmup=f"warmup {warmup} steps ({tune.warmup_ratio:.0%})" if choice.epochs is not None
+                       and not tr.warmup_steps else "")
+    if said:
+        log(said)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # as train.dist.init_distributed picks it
     precision = resolve_precision(tr.precision, device)
     if tr.precision == "auto":
