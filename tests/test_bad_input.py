@@ -523,6 +523,36 @@ def c_sft_packing_with_prompt_tuning(w, d):
     return _sft(w, d / "run", f, "data.packing=true", "--peft", "prompt"), ["data.packing", "prompt"]
 
 
+def _dpo(w, out, train, *extra):
+    return ["finetune", "--model", str(w["gpt"]), "--task", "dpo", "--train", str(train), "--out", str(out),
+            "--epochs", "1", "--batch-size", "4", "--quiet", "train.plot=false", *extra]
+
+
+def _pairs(d: Path, bad: dict) -> Path:
+    rows = [{"prompt": "Emma was", "chosen": " happy.", "rejected": " sad."}] * 8
+    return _jsonl(d / "pairs.jsonl", rows[:4] + [bad] + rows[4:])
+
+
+def c_dpo_pair_without_rejected(w, d):
+    f = _pairs(d, {"prompt": "Emma was", "chosen": " happy."})
+    return _dpo(w, d / "run", f), [f"{f}:5", "'rejected'"]
+
+
+def c_dpo_empty_completion(w, d):
+    f = _pairs(d, {"prompt": "Emma was", "chosen": "", "rejected": " sad."})
+    return _dpo(w, d / "run", f), [f"{f}:5", "'chosen'", "empty"]
+
+
+def c_dpo_chosen_identical_to_rejected(w, d):
+    f = _pairs(d, {"prompt": "Emma was", "chosen": " sad.", "rejected": " sad."})
+    return _dpo(w, d / "run", f), [f"{f}:5", "'chosen'", "'rejected'", "identical"]
+
+
+def c_dpo_prompt_longer_than_the_context(w, d):
+    f = _pairs(d, {"prompt": "Emma was very happy. " * 40, "chosen": " happy.", "rejected": " sad."})
+    return _dpo(w, d / "run", f, "task.max_len=32"), [f"{f}:5", "'prompt'", "task.max_len=32"]
+
+
 def c_finetune_negative_train_limit(w, d):
     return ["finetune", "--model", str(w["base"]), "--task", "classification", "--train", str(w["train"]), "--out",
             str(d / "run"), "data.train_limit=-5"], ["data.train_limit=-5"]

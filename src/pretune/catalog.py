@@ -37,6 +37,7 @@ TASKS: dict[str, str] = {
     "sft": "prompt, completion (or messages, or text): instruction / chat finetuning of decoders (TRL's SFT)",
     "choice": "text, label: classification by the LM's likelihood of each label's answer text (T-Few)",
     "multilabel": "text, label (a list): a set of labels per text, a sigmoid each",
+    "dpo": "prompt, chosen, rejected: preference tuning of decoders (DPO, IPO, hinge, SimPO, ORPO; TRL's)",
 }
 
 # parameter-efficient methods (`pretune finetune --peft NAME`, or a '+' combination)

@@ -320,6 +320,10 @@ class Trainer:
                 out[f"{k}_loss"] = red[f"{k}_loss"] / totals[k]
             if f"{k}_correct" in red:
                 out[f"{k}_acc"] = red[f"{k}_correct"] / totals[k]
+        for key, v in red.items():  # "{term}:{name}": a sum over the term's units, logged as their mean under name
+            term, sep, name = key.partition(":")
+            if sep and term in totals:
+                out[name] = v / totals[term]
         return out
 
     # -- evaluation --------------------------------------------------------------------------------

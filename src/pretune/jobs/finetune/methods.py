@@ -4,8 +4,11 @@ model up before training and saves what the run produces."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from pathlib import Path
 
+from ...config import ConfigError
 from ...loading import TASK_FILE
 from ...peft.config import PeftConfig
 from ...tasks.run import save_task, task_json
@@ -34,6 +37,20 @@ class FullMethod:
         if self.freeze_body:
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("head."))
+
+    def reference(self, model):
+        """A preference task's reference model: a frozen copy of the weights the run starts from (kept out of the
+        module tree, so no checkpoint holds it), moved to the policy's device on first use, run in eval mode."""
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+
+        @contextlib.contextmanager
+        def use(policy):
+            device = next(policy.parameters()).device
+            if next(frozen.parameters()).device != device:
+                frozen.to(device)
+            yield frozen
+
+        return use
 
     def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
         from ...io.checkpoint import save
@@ -82,6 +99,32 @@ class AdapterMethod:
             self.base_bytes_saved = summary["base_bytes_saved"]
             self.base_note = (f"frozen base: bf16 ({summary['base_cast']:,} linear weights, "
                               f"{self.base_bytes_saved / 1e6:.1f} MB saved; embeddings, norms and biases fp32)")
+
+    def reference(self, model):
+        """A preference task's reference model: the same model with every adapter switched off, in eval mode (no
+        second copy). A method that trains base parameters (biases, embeddings) leaves none to switch off."""
+        from ... import peft
+
+        owned = peft.peft_state(model).owned("default")
+        if owned:
+            raise ConfigError(f"peft.method={self.cfg.method} trains base parameters ({owned[0]}"
+                              f"{f' and {len(owned) - 1} more' if len(owned) > 1 else ''}), so switching the adapter "
+                              "off does not give the reference model back; use lora, adapter, ia3, prefix or prompt, "
+                              "or a reference-free loss (task.loss=simpo or orpo)")
+
+        @contextlib.contextmanager
+        def use(policy):
+            state, training = peft.peft_state(policy), policy.training
+            active = list(state.active)
+            peft.set_active(policy, None)
+            policy.eval()
+            try:
+                yield policy
+            finally:
+                peft.set_active(policy, active)
+                policy.train(training)
+
+        return use
 
     def save(self, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
         from ... import peft

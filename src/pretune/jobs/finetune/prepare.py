@@ -80,8 +80,9 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         feats[split] = encode_records(task, recs, show_progress=show_progress, desc=f"encode {split}")
         cut = getattr(task, "truncated", 0) - before
         if cut:
-            log(f"{cut} of {len(recs)} {split} records were cut to fit task.max_len={task.max_len} "
-                f"(task.max_target_len={cfg.task.max_target_len} for completions)")
+            target = getattr(cfg.task, "max_target_len", None)
+            log(f"{cut} of {len(recs)} {split} records were cut to fit task.max_len={task.max_len}"
+                + (f" (task.max_target_len={target} for completions)" if target else ""))
     if cfg.data.packing:
         if not getattr(task, "packable", False):
             raise ConfigError(f"data.packing=true packs training examples of task sft; task {task.name!r} cannot")
@@ -101,6 +102,8 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
                                       if cfg.peft.method else "auto: fp32, no PEFT method (nothing is frozen)")
         cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, base_dtype=base_dtype))
     method.setup(model, tok, cfg, log)
+    if getattr(task, "needs_reference", False):  # preference tuning: the policy against where it started
+        task.reference_model = method.reference(model)
     metric = cfg.task.metric or task.default_metric
     cfg = dataclasses.replace(cfg, derived=dict(derived))  # run.yaml marks them
     return Prepared(cfg=cfg, model=model, tokenizer=tok, task=task, method=method,
