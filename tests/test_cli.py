@@ -234,3 +234,19 @@ def test_a_mistyped_flag_with_a_required_argument_missing_names_both(capsys):
         main(["finetune", "--epohcs", "3"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "pretune finetune: error: unrecognized arguments: --epohcs (did you mean --epochs?)"
+
+
+def test_evaluate_set_values_take_the_settings_types():
+    """``--set chat=true`` used to reach the task as the text 'true' and be refused as not a boolean."""
+    import argparse
+
+    from pretune.cli.finetune import _task_overrides
+
+    args = argparse.Namespace(task="sft", set=["chat=true", "task.max_target_len=4", "threshold=0.7",
+                                               "prompt_template=Q: {text} true?", "text_field=1"])
+    assert _task_overrides(args) == {"name": "sft", "chat": True, "max_target_len": 4, "threshold": 0.7,
+                                     "prompt_template": "Q: {text} true?", "text_field": 1}
+    from pretune.tasks import task_settings
+
+    settings = task_settings({"name": "sft", "chat": True, "text_field": 1})
+    assert settings.chat is True and settings.text_field == "1"  # a text setting keeps a number as its text

@@ -15,7 +15,8 @@ evaluating and predicting with it is :mod:`pretune.jobs.inference`; both run the
 This module is the recipe (:func:`finetune`); its steps are modules of their own: ``config`` (the run config and
 :func:`load_finetune_config`), ``methods`` (full, head-only or adapter), ``prepare`` (:func:`prepare`,
 :func:`resolved_yaml`), ``trainer`` (the ``Trainer`` with keep-best and early stopping), ``export`` and
-``diagnose`` (did training take: the dev score against the task's baseline, the train loss's fall).
+``diagnose`` (did training take: the dev score against the task's baseline, the train loss's fall) and ``defaults``
+(the batch size and epochs chosen from the number of training examples, where the user left them).
 """
 
 from __future__ import annotations
