@@ -553,6 +553,32 @@ def c_dpo_prompt_longer_than_the_context(w, d):
     return _dpo(w, d / "run", f, "task.max_len=32"), [f"{f}:5", "'prompt'", "task.max_len=32"]
 
 
+def _kto(w, out, train, *extra):
+    return ["finetune", "--model", str(w["gpt"]), "--task", "kto", "--train", str(train), "--out", str(out),
+            "--epochs", "1", "--batch-size", "4", "--quiet", "train.plot=false", *extra]
+
+
+def _feedback(d: Path, bad: dict) -> Path:
+    rows = [{"prompt": "Emma was", "completion": " happy.", "label": True},
+            {"prompt": "Emma was", "completion": " sad.", "label": False}] * 4
+    return _jsonl(d / "feedback.jsonl", rows[:4] + [bad] + rows[4:])
+
+
+def c_kto_record_without_label(w, d):
+    f = _feedback(d, {"prompt": "Emma was", "completion": " happy."})
+    return _kto(w, d / "run", f), [f"{f}:5", "'label'"]
+
+
+def c_kto_empty_completion(w, d):
+    f = _feedback(d, {"prompt": "Emma was", "completion": "", "label": True})
+    return _kto(w, d / "run", f), [f"{f}:5", "'completion'", "empty"]
+
+
+def c_kto_label_not_a_boolean(w, d):
+    f = _feedback(d, {"prompt": "Emma was", "completion": " happy.", "label": "good"})
+    return _kto(w, d / "run", f), [f"{f}:5", "'label'", "'good'", "boolean"]
+
+
 def c_finetune_negative_train_limit(w, d):
     return ["finetune", "--model", str(w["base"]), "--task", "classification", "--train", str(w["train"]), "--out",
             str(d / "run"), "data.train_limit=-5"], ["data.train_limit=-5"]

@@ -38,6 +38,7 @@ TASKS: dict[str, str] = {
     "choice": "text, label: classification by the LM's likelihood of each label's answer text (T-Few)",
     "multilabel": "text, label (a list): a set of labels per text, a sigmoid each",
     "dpo": "prompt, chosen, rejected: preference tuning of decoders (DPO, IPO, hinge, SimPO, ORPO; TRL's)",
+    "kto": "prompt, completion, label (true/false): preference tuning of decoders on unpaired feedback (TRL's KTO)",
 }
 
 # parameter-efficient methods (`pretune finetune --peft NAME`, or a '+' combination)
