@@ -39,6 +39,7 @@ TASKS: dict[str, str] = {
     "multilabel": "text, label (a list): a set of labels per text, a sigmoid each",
     "dpo": "prompt, chosen, rejected: preference tuning of decoders (DPO, IPO, hinge, SimPO, ORPO; TRL's)",
     "kto": "prompt, completion, label (true/false): preference tuning of decoders on unpaired feedback (TRL's KTO)",
+    "reward": "prompt, chosen, rejected (margin): a reward model, a scalar head on a decoder (TRL's RewardTrainer)",
 }
 
 # parameter-efficient methods (`pretune finetune --peft NAME`, or a '+' combination)
