@@ -32,7 +32,7 @@ __all__ = ["MARKER", "OutputError", "write_atomic", "check_folder", "check_file"
 # what a pretraining or finetuning run writes into its folder (what --overwrite may remove; data/, the token store,
 # is a cache keyed by its inputs and stays)
 RUN_ENTRIES = ("run.yaml", "metrics.jsonl", "metrics.csv", "tb", "loss.png", "checkpoints", "model", "generator",
-               "results.json", "test_predictions.jsonl", MARKER)
+               "results.json", "test_predictions.jsonl", "reference_logps.safetensors", MARKER)
 
 
 class OutputError(ConfigError):

@@ -68,6 +68,8 @@ class DPOSettings(TaskConfig):
     label_smoothing: float = 0.0  # sigmoid/simpo: the assumed probability that a pair's preference is flipped
     # (conservative DPO, Mitchell 2023); 0: trust every label
     simpo_gamma: float = 0.5  # simpo: the target reward margin gamma (TRL's CPO default)
+    precompute_reference: bool = False  # the reference's log-probabilities of the training pairs computed once
+    # before training and kept in the run folder (reference_logps.safetensors): no reference pass per step
 
     def validate(self) -> None:
         super().validate()
@@ -80,6 +82,8 @@ class DPOSettings(TaskConfig):
                               f"task.loss={self.loss} has none")
         if self.simpo_gamma != 0.5 and self.loss != "simpo":
             raise ConfigError(f"task.simpo_gamma={self.simpo_gamma} applies to task.loss=simpo, not {self.loss}")
+        if self.precompute_reference and self.loss in REFERENCE_FREE:
+            raise ConfigError(f"task.precompute_reference=true: task.loss={self.loss} uses no reference model")
 
 
 Reference = Callable[[torch.nn.Module], AbstractContextManager[torch.nn.Module]]  # policy -> reference
@@ -252,8 +256,11 @@ class DPO(Task):
         for i, (r, n) in enumerate(zip(rows, prompt)):
             ids[i, : len(r)], mask[i, : len(r)] = r, 1
             labels[i, n: len(r)] = r[n:]
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
-                "labels": torch.from_numpy(labels)}
+        out = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
+               "labels": torch.from_numpy(labels)}
+        if "ref_logps" in examples[0]:  # task.precompute_reference: (B, 2), the reference's chosen and rejected
+            out["ref_logps"] = torch.from_numpy(np.stack([e["ref_logps"] for e in examples]))
+        return out
 
     # -- model side -------------------------------------------------------------------------------------------
     def counts(self, batch):
@@ -280,6 +287,8 @@ class DPO(Task):
         """(2B,) summed log-probabilities under the reference model (None for a reference-free loss)."""
         if not self.needs_reference:
             return None
+        if "ref_logps" in batch:  # task.precompute_reference: computed before training (jobs/finetune/reference.py)
+            return torch.cat([batch["ref_logps"][:, 0], batch["ref_logps"][:, 1]]).float()
         if self.reference_model is None:
             raise ConfigError(f"task.loss={self.cfg.loss} compares the policy with a reference model and none was "
                               "given (pretune finetune gives one); use a reference-free loss (task.loss=simpo or "

@@ -56,6 +56,9 @@ class KTOSettings(TaskConfig):
     desirable_weight: float = 1.0  # the weight of a desirable record's loss (KTO paper eq. 8: with fewer
     # desirable than undesirable records, raise it so that w_d n_d / (w_u n_u) lies in [1, 4/3])
     undesirable_weight: float = 1.0  # the weight of an undesirable record's loss
+    precompute_reference: bool = False  # the reference's log-probabilities of the training records computed once
+    # before training and kept in the run folder; each record's mismatched row is then fixed (the previous record's
+    # completion, TRL's rotation over the data set) instead of drawn from its batch
 
     def validate(self) -> None:
         super().validate()
@@ -167,7 +170,8 @@ class KTO(DPO):
         rotated within the batch as TRL rotates them), right-padded: input_ids, attention_mask and labels (-100 on
         the prompts and the padding), each (2N, T); ``label``: (N,) bool."""
         n = len(examples)
-        kl_rows = [np.concatenate([e["prompt_ids"], examples[(i - 1) % n]["completion_ids"]])[: self.max_len]
+        kl_rows = [np.concatenate([e["prompt_ids"], e["kl_completion_ids"] if "kl_completion_ids" in e
+                                   else examples[(i - 1) % n]["completion_ids"]])[: self.max_len]
                    for i, e in enumerate(examples)]
         rows = [e["input_ids"] for e in examples] + kl_rows
         prompt = [len(e["prompt_ids"]) for e in examples] * 2
@@ -179,7 +183,15 @@ class KTO(DPO):
             ids[i, : len(r)], mask[i, : len(r)] = r, 1
             labels[i, p: len(r)] = r[p:]
         return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
-                "labels": torch.from_numpy(labels), "label": torch.from_numpy(np.array([e["label"] for e in examples]))}
+                "labels": torch.from_numpy(labels), "label": torch.from_numpy(np.array([e["label"] for e in examples])),
+                **({"ref_logps": torch.from_numpy(np.stack([e["ref_logps"] for e in examples]))}
+                   if "ref_logps" in examples[0] else {})}
+
+    def fix_mismatched(self, features: list[dict]) -> None:
+        """Give each feature a fixed mismatched completion (the previous feature's, the first the last's: TRL's
+        rotation over the data set), so that its mismatched row's reference can be computed once."""
+        for i, f in enumerate(features):
+            f["kl_completion_ids"] = features[i - 1]["completion_ids"]
 
     # -- model side -------------------------------------------------------------------------------------------
     def counts(self, batch):

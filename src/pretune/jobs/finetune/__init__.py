@@ -85,6 +85,11 @@ def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_
         run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
                                      derived=tuple(job.derived), stored_as_now=_stored_as_now)
     barrier(dist)
+    if getattr(cfg.task, "precompute_reference", False):  # dpo, kto: the reference pass once, before training
+        from .reference import precompute_reference
+
+        precompute_reference(job, run_dir, resume=resume, is_main=dist.is_main, barrier=lambda: barrier(dist),
+                             show_progress=show_progress, log=log)
     counts = count_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n = {k: len(v) for k, v in job.records.items()}
