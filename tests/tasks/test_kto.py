@@ -250,3 +250,12 @@ def test_a_run_starts_at_policy_equals_reference_and_logs_and_scores_like_trl(pe
     pred = json.loads((out / "test_predictions.jsonl").read_text().splitlines()[0])
     assert pred["gold"] == "desirable" and pred["judged"] in ("desirable", "undesirable", "tie")
     assert not math.isnan(pred["reward"])
+
+
+def test_scoring_without_a_reference_model_is_a_message_not_a_traceback(tiny):
+    from pretune.config import ConfigError
+
+    model, tok = _load(tiny["ref"])
+    task = _kto(model, tok)
+    with pytest.raises(ConfigError, match="reference model"):
+        task.outputs(model, _batch(task, STRING_RECORDS))

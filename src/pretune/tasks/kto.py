@@ -199,6 +199,12 @@ class KTO(DPO):
         return {self.term: int(batch["label"].shape[0]), "desirable": desirable,
                 "undesirable": int(batch["label"].shape[0]) - desirable}
 
+    def reference_logps(self, model, batch) -> torch.Tensor:
+        if self.reference_model is None and "ref_logps" not in batch:
+            raise ConfigError("task kto compares the policy with a reference model and none was given (pretune "
+                              "finetune gives one); score the records through `pretune finetune`")
+        return super().reference_logps(model, batch)
+
     def record_logps(self, model, batch) -> dict:
         """The policy's summed log-probabilities of the N records (with gradient) and of their mismatched rows
         (without), the reference's of both, and the completions' token counts: (N,) tensors, fp32."""
