@@ -196,3 +196,23 @@ def test_multilabel_finetunes_and_evaluates(tokenizers_by_kind, tmp_path):
     assert evaluate(res.model_dir, d / "test.jsonl", show_progress=False) == pytest.approx(res.test)
     preds = [json.loads(x)["prediction"] for x in (res.run_dir / "test_predictions.jsonl").read_text().splitlines()]
     assert all(isinstance(p, list) and set(p) <= {"negated", "question"} for p in preds)
+
+
+def test_multilabel_with_lora_saves_its_adapter_and_evaluates(tokenizers_by_kind, tmp_path):
+    """LoRA on a multi-label head: saving the adapter asked for the body's Hugging Face family with the head taken
+    off but multi_label left on, and the run failed after training (found by the defaults study, issue 32)."""
+    rows = _negation_question_records()[:120]
+    d = tmp_path / "data"
+    d.mkdir()
+    for name, part in (("train", rows[:80]), ("dev", rows[80:120])):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    base = tmp_path / "base"
+    tok = Tokenizer.load(tokenizers_by_kind["wordpiece"])
+    pretune.save(pretune.build_model("tiny-bert-base", vocab_size=tok.vocab_size), base, tokenizer=tok.tk)
+    cfg = load_finetune_config(None, [f"model.init={base}", "task.name=multilabel", "peft.method=lora",
+                                      f"data.train={d / 'train.jsonl'}", f"data.dev={d / 'dev.jsonl'}",
+                                      f"train.out={tmp_path / 'run'}", "train.steps=2", "tune.epochs=0",
+                                      "task.max_len=32", "train.plot=false"])
+    res = finetune(cfg, show_progress=False, log=lambda *a: None)
+    assert json.loads((res.run_dir / "results.json").read_text())["peft"]["method"] == "lora"
+    assert evaluate(res.model_dir, d / "dev.jsonl", show_progress=False) == pytest.approx(res.dev)

@@ -201,7 +201,7 @@ def _why_not_peft(cfg, peft_cfg: PeftConfig) -> str:
     if peft_cfg.methods != ["lora"]:
         return f"pretune writes peft's layout for LoRA alone, not for {peft_cfg.method}"
     try:
-        fam = _family_for_config(cfg.replace(head="none"))  # the body alone: its Hugging Face family
+        fam = _family_for_config(cfg.replace(head="none", multi_label=False))  # the body alone: its HF family
     except InteropError:
         return "the model has no Hugging Face equivalent, whose module names peft's files use"
     why = fam.export_mismatch(cfg)  # the head (e.g. mean pooling, which no transformers class has)
