@@ -85,6 +85,14 @@ def add_bench_parser(sub) -> None:
          "activations by default, so it is compared with pretune-ac (pretune recomputing each block) too. "
          "Reports tokens/s, peak RSS, whether pretune is >= 1.5x faster at <= 0.8x the memory, and how fast the "
          "SFT task scores test records by generation."),
+        ("dpo", "LoRA DPO step pairs/s and peak memory on SmolLM2 vs TRL's DPOTrainer; the reference pass's share",
+         "LoRA r=8 (q_proj, v_proj) sigmoid DPO step of SmolLM2-135M-Instruct on 4 preference pairs of <= 256 "
+         "tokens (WordNet glosses, chat-rendered), pretune's dpo task against TRL's DPOTrainer on the same records, "
+         "beta and precision (--precision fp32 by default), the reference being the adapter switched off on both; "
+         "each run in its own process, alternating. Reports pairs/s, peak RSS, their ratios and whether pretune is "
+         ">= 1.5x faster at <= 0.8x the memory, and the share of pretune's step spent in the reference pass, with "
+         "the reference computed at each step (pretune) and precomputed once (pretune-pre, "
+         "task.precompute_reference=true)."),
         ("distributed", "peak memory per process DDP vs FSDP, and activation checkpointing's memory and time",
          "Under torchrun with 2 processes, a gpt2-medium-sized model's AdamW step with DDP and with FSDP (peak RSS per "
          "process, step time); in one process, a gpt2-sized step at sequence length 1024 with and without activation "
