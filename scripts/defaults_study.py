@@ -110,7 +110,8 @@ def run_trial(t: dict, args) -> dict:
         cfg = (out / "run" / "run.yaml").read_text()
         metric = res["metric"]
         chosen = [line for line in proc.stdout.splitlines() if line.startswith("defaults:")]
-        return {**t, "metric": metric, "test": res["test"][metric], "dev": res["dev"][metric], "steps": res["steps"],
+        return {**t, "metric": metric, "test": res["test"][metric], "dev": res["dev"][metric], "scores": res["test"],
+                "steps": res["steps"],
                 "train_seconds": round(res["train_seconds"], 1), "wall_seconds": round(wall, 1),
                 "warnings": [w["kind"] for w in res.get("warnings", [])], "chosen": chosen,
                 "batch_size": _yaml_value(cfg, "batch_size"), "epochs": _yaml_value(cfg, "epochs"),
@@ -122,7 +123,7 @@ def run_trial(t: dict, args) -> dict:
 def _yaml_value(text: str, key: str) -> str:
     for line in text.splitlines():
         if line.strip().startswith(f"{key}:"):
-            return line.split(":", 1)[1].strip()
+            return line.split(":", 1)[1].split("#", 1)[0].strip()  # run.yaml marks derived values: "8  # derived"
     return ""
 
 
@@ -132,6 +133,7 @@ def table(rows: list[dict]) -> str:
     by = {}
     for r in rows:
         if "error" not in r:
+            r = {**r, **{k: str(r[k]).split("#")[0].strip() for k in ("batch_size", "epochs") if k in r}}
             by.setdefault((r["task"], r["method"], r["n"]), {})[r["settings"]] = r
     grid = [f"bs{b}-ep{e}" for b in (8, 16, 32) for e in (3, 10)]
     lines.append("| task | method | rows | today (32 x 3 ep) | auto (batch x epochs, steps) | best of grid | "
@@ -151,6 +153,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sizes_table(rows: list[dict]) -> str:
+    """Per task and method: today's fixed settings against the chosen ones at each size (test metric, steps)."""
+    by = {}
+    for r in rows:
+        if "error" not in r and r["settings"] in ("auto", "today", "bs32-ep3"):
+            by.setdefault((r["task"], r["method"]), {})[(r["n"], "today" if r["settings"] != "auto" else "auto")] = r
+    sizes = sorted({n for cells in by.values() for n, _ in cells})
+    lines = ["| task | method | " + " | ".join(f"{n:,} rows: today → chosen (steps)" for n in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    for (task, method), cells in sorted(by.items(), key=lambda kv: (list(TASKS).index(kv[0][0]), kv[0][1])):
+        out = []
+        for n in sizes:
+            t, a = cells.get((n, "today")), cells.get((n, "auto"))
+            out.append(f"{t['test']:.3f} → {a['test']:.3f} ({t['steps']} → {a['steps']})" if t and a else
+                       f"— → {a['test']:.3f} ({a['steps']})" if a else "—")
+        metric = next(iter(cells.values()))["metric"]
+        lines.append(f"| {task} ({metric}) | {method} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results JSONL (appended; finished trials are skipped)")
@@ -167,7 +189,9 @@ def main() -> int:
     out = Path(args.out)
     rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if args.table:
-        print(table(rows))
+        print(table([r for r in rows if r["n"] == 300]))
+        print()
+        print(sizes_table(rows))
         return 0
     done = {trial_key(r) for r in rows if "error" not in r}
     todo = [dict(task=task, method=m, n=int(n), settings=s, seed=int(seed))
