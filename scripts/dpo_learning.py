@@ -42,7 +42,7 @@ def main() -> int:
     from pretune.tasks.run import encode_records
 
     tuned, tok, task = load_finetuned(args.model)
-    base_dir = args.base or read_meta(args.model)["base"]
+    base_dir = args.base or read_meta(args.model)["base"]["model"]
     base = pretune.load(base_dir)
     recs = read_records(args.pairs)
     feats = encode_records(task, recs, show_progress=False)
