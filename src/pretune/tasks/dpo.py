@@ -248,16 +248,7 @@ class DPO(Task):
         """B pairs -> 2B rows (the chosen sequences, then the rejected ones; TRL's layout), right-padded:
         input_ids, attention_mask and labels (-100 on the prompt and the padding), each (2B, T)."""
         rows = [e["input_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-        prompt = [int(e["prompt_len"]) for e in examples] * 2
-        width = max(len(r) for r in rows)
-        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros_like(ids)
-        labels = np.full_like(ids, IGNORE)
-        for i, (r, n) in enumerate(zip(rows, prompt)):
-            ids[i, : len(r)], mask[i, : len(r)] = r, 1
-            labels[i, n: len(r)] = r[n:]
-        out = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
-               "labels": torch.from_numpy(labels)}
+        out = completion_rows(rows, [int(e["prompt_len"]) for e in examples] * 2, self.pad_id)
         if "ref_logps" in examples[0]:  # task.precompute_reference: (B, 2), the reference's chosen and rejected
             out["ref_logps"] = torch.from_numpy(np.stack([e["ref_logps"] for e in examples]))
         return out
@@ -373,6 +364,20 @@ class DPO(Task):
 
     def prediction_json(self, rec, pred):
         return dict(pred)
+
+
+def completion_rows(rows, prompt_lens, pad_id: int) -> dict[str, torch.Tensor]:
+    """Token rows right-padded into input_ids, attention_mask and labels (-100 on each row's first ``prompt_lens[i]``
+    tokens, its prompt, and on the padding), each (len(rows), longest row): the batch dpo, kto and reward train on."""
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    labels = np.full_like(ids, IGNORE)
+    for i, (r, n) in enumerate(zip(rows, prompt_lens)):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        labels[i, n: len(r)] = r[n:]
+    return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
+            "labels": torch.from_numpy(labels)}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

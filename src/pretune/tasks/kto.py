@@ -36,9 +36,8 @@ import torch
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..model.layout import IGNORE
 from .base import Record, TaskConfig, get_field
-from .dpo import DPO, _common_prefix
+from .dpo import DPO, _common_prefix, completion_rows
 
 LABEL_WORDS = {"true": True, "false": False}  # what a CSV cell may say for a boolean label
 
@@ -174,16 +173,8 @@ class KTO(DPO):
                                    else examples[(i - 1) % n]["completion_ids"]])[: self.max_len]
                    for i, e in enumerate(examples)]
         rows = [e["input_ids"] for e in examples] + kl_rows
-        prompt = [len(e["prompt_ids"]) for e in examples] * 2
-        width = max(len(r) for r in rows)
-        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros_like(ids)
-        labels = np.full_like(ids, IGNORE)
-        for i, (r, p) in enumerate(zip(rows, prompt)):
-            ids[i, : len(r)], mask[i, : len(r)] = r, 1
-            labels[i, p: len(r)] = r[p:]
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
-                "labels": torch.from_numpy(labels), "label": torch.from_numpy(np.array([e["label"] for e in examples])),
+        batch = completion_rows(rows, [len(e["prompt_ids"]) for e in examples] * 2, self.pad_id)
+        return {**batch, "label": torch.from_numpy(np.array([e["label"] for e in examples])),
                 **({"ref_logps": torch.from_numpy(np.stack([e["ref_logps"] for e in examples]))}
                    if "ref_logps" in examples[0] else {})}
 
