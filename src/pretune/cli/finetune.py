@@ -53,6 +53,9 @@ def add_finetune_parsers(sub) -> None:
         s.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
         s.add_argument("--task", help=f"task name when the model has no task.json: {catalog.names(catalog.TASKS)}")
         s.add_argument("--base", help="base model of an adapter folder (default: the path it recorded)")
+        s.add_argument("--reference", metavar="MODEL", help="dpo/kto: the reference model the rewards compare with "
+                       "(default: an adapter folder's base with the adapter off; a full model's starting model, "
+                       "model.init of its run.yaml)")
         s.add_argument("--set", action="append", metavar="FIELD=VALUE",
                        help="task setting override, e.g. --set text_field=sentence (repeatable)")
         s.add_argument("--batch-size", type=int, default=64, help="examples per forward pass (default 64)")
@@ -119,7 +122,8 @@ def cmd_evaluate(args) -> int:
         check_file(args.json, overwrite=args.overwrite, what="metrics file")
     with setting_form(SET_FORM):
         metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
-                           precision=args.precision, show_progress=not args.quiet, base=args.base or "")
+                           precision=args.precision, show_progress=not args.quiet, base=args.base or "",
+                           reference=args.reference or "")
     print(format_scores(Path(args.data).name, metrics))
     if args.json:
         from ..io.outputs import write_atomic
@@ -137,6 +141,7 @@ def cmd_predict(args) -> int:
     check_file(args.out, overwrite=args.overwrite, what="predictions file")
     with setting_form(SET_FORM):
         n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
-                    precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores)
+                    precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores,
+                    reference=args.reference or "")
     print(f"wrote {n} predictions to {args.out}")
     return 0

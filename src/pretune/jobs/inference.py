@@ -42,10 +42,11 @@ def load_task_config(model_dir: str | Path, overrides: dict | None = None) -> Ta
 
 
 def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, tokenizer: str = "",
-                   base: str = ""):
+                   base: str = "", reference: str = ""):
     """(model, tokenizer, task) of a finetuned checkpoint (its task.json), of an adapter folder written by
     ``finetune`` with peft.method (its base model + the adapter; ``base`` overrides the recorded base), or
-    of an HF task model with ``task_overrides={"name": ...}``."""
+    of an HF task model with ``task_overrides={"name": ...}``. A preference task that compares the policy with a
+    reference model (dpo's sigmoid / ipo / hinge, kto) gets one: see :func:`attach_reference`."""
     from ..loading import load_pretrained
     from ..tasks import TASKS
 
@@ -62,13 +63,67 @@ def load_finetuned(model_dir: str | Path, task_overrides: dict | None = None, to
     if cls.model_head != model.config.head:
         what = "a task head" if model.config.head in TASK_HEADS else f"head={model.config.head!r}"
         raise ConfigError(f"{model_dir} has {what}, but task {tcfg.name!r} needs head={cls.model_head!r}")
-    return model, tok, cls(tcfg, model.config, tok)
+    task = cls(tcfg, model.config, tok)
+    attach_reference(task, model, model_dir, reference)
+    return model, tok, task
+
+
+def attach_reference(task, model, model_dir: str | Path, reference: str = "") -> str:
+    """Give a preference task the reference model its loss and rewards compare the policy with, as finetuning did;
+    returns what it is ("" when the task needs none):
+
+    * ``reference`` (``--reference MODEL``): that model, frozen;
+    * an adapter folder: its base with the adapter switched off (the reference of ``finetune --peft``);
+    * a full model: the model its run started from (``model.init`` of the run.yaml saved beside it).
+    """
+    if not getattr(task, "needs_reference", False):
+        return ""
+    from .. import peft
+    from ..loading import load_pretrained
+    from .finetune.methods import AdapterMethod, FullMethod
+
+    what = f"task {task.cfg.name} (task.loss={getattr(task.cfg, 'loss', task.cfg.name)})"
+    if reference:
+        source = reference
+    elif peft.peft_state(model).active:
+        task.reference_model = AdapterMethod(peft.peft_state(model).configs[peft.peft_state(model).active[0]]
+                                             ).reference(model)
+        return "the base with the adapter switched off"
+    else:
+        source = _run_start(Path(model_dir))
+        if not source:
+            raise ConfigError(f"{what} compares the model with a reference model, and {model_dir} records none (no "
+                              "run.yaml with model.init beside it): pass --reference MODEL (the model the run "
+                              "started from)")
+        if not Path(source).exists():
+            raise ConfigError(f"{what} compares the model with the model its run started from, {source} "
+                              f"(model.init of {Path(model_dir) / 'run.yaml'}), which does not exist here: pass "
+                              "--reference MODEL")
+    ref = load_pretrained(source).model
+    if ref.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"--reference {source} has a vocabulary of {ref.config.vocab_size:,} tokens and {model_dir} "
+                          f"one of {model.config.vocab_size:,}: the reference must share the model's tokenizer")
+    task.reference_model = FullMethod().reference(ref)
+    return f"the model {source}"
+
+
+def _run_start(model_dir: Path) -> str:
+    """``model.init`` of the run.yaml saved in a finetuned model's folder ("" when there is none)."""
+    from omegaconf import OmegaConf
+
+    path = model_dir / "run.yaml"
+    if not path.is_file():
+        return ""
+    init = OmegaConf.select(OmegaConf.load(path), "model.init", default="")
+    return str(init or "")
 
 
 def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | None = None, batch_size: int = 64,
-             precision: str = "fp32", show_progress: bool = True, errors: str = "strict", base: str = "") -> dict:
-    """The task's metrics of a finetuned model (or adapter folder) on a labelled file."""
-    model, tok, task = load_finetuned(model_dir, task_overrides, base=base)
+             precision: str = "fp32", show_progress: bool = True, errors: str = "strict", base: str = "",
+             reference: str = "") -> dict:
+    """The task's metrics of a finetuned model (or adapter folder) on a labelled file (``reference``: a preference
+    task's reference model, see :func:`attach_reference`)."""
+    model, tok, task = load_finetuned(model_dir, task_overrides, base=base, reference=reference)
     records = read_split(str(data), "evaluation", errors)
     metrics, _ = evaluate_task(task, model, records, batch_size=batch_size, precision=precision,
                                show_progress=show_progress)
@@ -77,10 +132,11 @@ def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | 
 
 def predict(model_dir: str | Path, data: str | Path, out: str | Path, *, task_overrides: dict | None = None,
             batch_size: int = 64, precision: str = "fp32", show_progress: bool = True, errors: str = "strict",
-            base: str = "", scores: bool = False) -> int:
+            base: str = "", scores: bool = False, reference: str = "") -> int:
     """Predictions for every record of ``data`` (labels not needed; a record that has one gets it beside its
-    prediction as ``gold``) written to ``out`` as JSONL; ``scores``: each record's raw scores too."""
-    model, tok, task = load_finetuned(model_dir, task_overrides, base=base)
+    prediction as ``gold``) written to ``out`` as JSONL; ``scores``: each record's raw scores too; ``reference``: a
+    preference task's reference model (see :func:`attach_reference`)."""
+    model, tok, task = load_finetuned(model_dir, task_overrides, base=base, reference=reference)
     records = read_split(str(data), "prediction", errors)
     if show_progress:
         print(f"predicting {len(records)} records of {data} with {model_dir} ...", flush=True)
