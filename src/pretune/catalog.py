@@ -40,6 +40,7 @@ TASKS: dict[str, str] = {
     "dpo": "prompt, chosen, rejected: preference tuning of decoders (DPO, IPO, hinge, SimPO, ORPO; TRL's)",
     "kto": "prompt, completion, label (true/false): preference tuning of decoders on unpaired feedback (TRL's KTO)",
     "reward": "prompt, chosen, rejected (margin): a reward model, a scalar head on a decoder (TRL's RewardTrainer)",
+    "grpo": "prompt (+ fields the rewards read): RL from verifiable rewards (TRL's GRPO); --reward NAME, --steps N",
 }
 
 # parameter-efficient methods (`pretune finetune --peft NAME`, or a '+' combination)

@@ -39,6 +39,11 @@ class ConfigError(ValueError):
     """A configuration key or value is invalid; the message names it and what was expected."""
 
 
+class StepError(ValueError):
+    """Input a training step cannot use, met in the middle of a run (a reward function that raises or returns a
+    non-number on a record): the trainer keeps the steps done in a checkpoint, then stops with this message."""
+
+
 @dataclass
 class ModelConfig:
     """Every architectural choice of a pretune transformer. Presets live in ``presets.py``."""

@@ -35,6 +35,7 @@ class Flag:
     nargs: str | None = None
     metavar: str | None = None
     switch: bool = False  # a flag without a value that sets the key to true
+    repeat: bool = False  # a flag given once per value, the key a list of them (--reward a --reward b)
 
     @property
     def dest(self) -> str:
@@ -91,7 +92,12 @@ FINETUNE_FLAGS = (
          "--peft 1e-2, or --lr if higher, which keeps a small adapter from settling on the majority class)",
          type=float),
     Flag("--batch-size", "train.batch_size", "examples per optimizer step (default: chosen from the data, 8 below 500 "
-         "training examples, 16 below 2,000, else 32)", type=int),
+         "training examples, 16 below 2,000, else 32; grpo: prompts per step, default 4)", type=int),
+    Flag("--steps", "train.steps", "optimizer steps, instead of --epochs (grpo: the run's length, default 60)",
+         type=int),
+    Flag("--reward", "task.rewards", "grpo: a reward function, given once per function: exact_match, format, "
+         "length, or module:function (TRL's signature, imported from your code); weights as "
+         "task.reward_weights=[1.0,0.5]", repeat=True, metavar="NAME"),
     Flag("--out", "train.out", "run folder (default runs/finetune)"),
 )
 
@@ -102,6 +108,8 @@ def add_flags(parser, flags: tuple[Flag, ...]) -> None:
         kwargs: dict[str, Any] = {"dest": f.dest, "help": f"{f.help} ({f.key})"}
         if f.switch:
             kwargs["action"] = "store_true"
+        elif f.repeat:
+            kwargs.update(action="append", metavar=f.metavar or f.flag.lstrip("-").upper())
         else:
             metavar = f.metavar or f.flag.lstrip("-").upper().replace("-", "_")
             kwargs.update({k: v for k, v in (("type", f.type), ("nargs", f.nargs), ("metavar", metavar)) if v})

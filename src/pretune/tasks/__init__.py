@@ -13,6 +13,7 @@ from .base import Layout, Record, Task, TaskConfig, read_records
 from .choice import Choice
 from .classify import Classification, Pair, Regression
 from .dpo import DPO
+from .grpo import GRPO
 from .kto import KTO
 from .multilabel import Multilabel
 from .qa import QA
@@ -22,7 +23,8 @@ from .sft import SFT
 from .tagging import Tagging
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq,
-                                                          SFT, Choice, Multilabel, DPO, KTO, Reward)}
+                                                          SFT, Choice, Multilabel, DPO, KTO, Reward,
+                                                          GRPO)}
 TASK_METRICS: dict[str, list[str]] = {name: list(cls.metrics) for name, cls in TASKS.items()}  # what each reports
 DEFAULT_METRIC: dict[str, str] = {name: cls.default_metric for name, cls in TASKS.items()}  # model selection
 

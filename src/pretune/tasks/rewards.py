@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, StepError
 from ..data.readers import DataError
 from ..generation.prompt import extract_answer, normalize_answer
 from .base import Record
@@ -81,7 +81,7 @@ TRAINER_ARGS: tuple[str, ...] = ("prompts", "completions", "completion_ids", "tr
 _FLAGS = re.DOTALL | re.MULTILINE  # the format reward's: TRL's think_format_reward and open-r1's format reward use them
 
 
-class RewardError(Exception):
+class RewardError(StepError):
     """A reward function failed during training (raised, wrong number of values, a non-number); the message names
     the function and the record (``file:line``). The trainer catches it, checkpoints and stops."""
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config import StepError
 from ..io.checkpoint import CheckpointError
 from .dist import DistInfo, all_gather_objects, all_reduce_sum, barrier
 from .precision import resolve_precision
@@ -256,6 +257,11 @@ class Trainer:
         local = ids[d.rank * per_rank:(d.rank + 1) * per_rank]  # this process's shard of the global batch
         micro = np.array_split(local, cfg.grad_accum)
         batches = [self.make_batch(m, epoch) for m in micro]
+        rolled: dict = {}
+        if hasattr(self.objective, "rollout"):  # on-policy tasks (grpo): the model writes the step's examples first
+            with self._autocast():
+                batches, rolled = self.objective.rollout(self.model, batches, step=self.step, seed=cfg.seed,
+                                                         rank=d.rank, world=d.world)
         counts = [self.objective.counts(b) for b in batches]
         terms = sorted({k for c in counts for k in c})
         local_totals = torch.tensor([[sum(c.get(k, 0) for c in counts) for k in terms]
@@ -309,6 +315,7 @@ class Trainer:
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.get_scale()
             out["skipped"] = int(skipped)
+        out.update(rolled)  # the rollout's metrics (the same on every process)
         for k in terms:
             if f"{k}_correct" in stats_sum:
                 out[f"{k}_acc"] = None  # filled below after reduction
@@ -517,6 +524,12 @@ class Trainer:
                 ts = time.perf_counter()
                 try:
                     last = self.train_step()
+                except StepError as e:  # input the step cannot use (a reward function failing on a record)
+                    # one process alone cannot write a checkpoint the others take part in: under torchrun none is
+                    saved = self.save_checkpoint() if cfg.keep_last and self.step and not d.enabled else None
+                    where = (f"the {self.step} steps done are kept in {saved}: fix it and run again with --resume"
+                             if saved else "no checkpoint written now")
+                    raise StepError(f"{e} (at step {self.step + 1}; {where})") from None
                 except TrainingDiverged as e:
                     kept = list_checkpoints(self.run_dir)
                     where = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was written yet"

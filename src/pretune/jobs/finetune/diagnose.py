@@ -41,7 +41,9 @@ def check_training(job: Prepared, trainer, steps: int, *, dev: dict, test: dict)
                              "message": f"{split} {metric} {value:.4f} is no better than {base.what}, which scores "
                                         f"{floor:.4f}"})
     losses = next((cb for cb in trainer.callbacks if isinstance(cb, TrainLosses)), None)
-    trend = losses.trend(FRACTION) if losses is not None else None
+    # an on-policy task's (grpo's) loss is a policy-gradient surrogate near 0 at every step, not a fit to data
+    on_policy = getattr(task, "rollout", None) is not None
+    trend = losses.trend(FRACTION) if losses is not None and not on_policy else None
     if trend is not None:
         first, last, k = trend
         if last > first * (1 - LOSS_DROP):

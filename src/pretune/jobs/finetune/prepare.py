@@ -94,6 +94,8 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         derived["data.packing"] = f"{n} examples packed into {len(feats['train'])} rows of <= {task.max_len} tokens"
         log(f"data.packing: {n} training examples in {len(feats['train'])} rows of at most {task.max_len} tokens")
     requested = cfg.train.precision
+    if getattr(task, "rollout", None) is not None:  # grpo: a length in steps of prompts it writes completions for
+        cfg = _on_policy_train(cfg, task, derived, log)
     cfg = _resolve_train(cfg, len(feats["train"]), method, derived,
                          task_head=model.config.head in TASK_HEADS and model.head is not None, log=log)
     base_dtype = base_dtype_for(cfg.peft, requested, cfg.train.precision)
@@ -123,6 +125,28 @@ def resolved_yaml(cfg: FinetuneConfig) -> str:
         return note + OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
     job = prepare(cfg, show_progress=False, log=lambda *a: None)
     return job.cfg.to_yaml().rstrip("\n")
+
+
+def _on_policy_train(cfg: FinetuneConfig, task, derived: dict, log) -> FinetuneConfig:
+    """An on-policy task's (grpo's) length and batch: ``train.steps`` optimizer steps (one rollout each) of
+    ``train.batch_size`` prompts, each a task default when left to choose; epochs do not apply."""
+    tr, tune = cfg.train, cfg.tune
+    if tune.epochs not in (defaults.AUTO, 0, 0.0):
+        raise ConfigError(f"--epochs / tune.epochs={tune.epochs:g} does not apply to task {task.name}: each step "
+                          "samples new completions, so its length is train.steps (--steps N) optimizer steps")
+    if tr.parallel == "fsdp":
+        raise ConfigError(f"task {task.name} samples with the whole model at every step, which FSDP shards over the "
+                          "processes; use train.parallel=ddp (each process samples its prompts)")
+    if not tr.batch_size:
+        tr = dataclasses.replace(tr, batch_size=task.DEFAULT_PROMPTS)
+        derived["train.batch_size"] = (f"task {task.name}'s default: {task.DEFAULT_PROMPTS} prompts a step, "
+                                       f"x task.group_size={task.cfg.group_size} completions each")
+    if not tr.steps:
+        tr = dataclasses.replace(tr, steps=task.DEFAULT_STEPS)
+        derived["train.steps"] = f"task {task.name}'s default ({task.DEFAULT_STEPS} optimizer steps, one rollout each)"
+    log(f"task {task.name}: {tr.steps} steps of {tr.batch_size} prompts x {task.cfg.group_size} sampled completions "
+        f"of <= {task.cfg.max_new_tokens} tokens")
+    return dataclasses.replace(cfg, train=tr, tune=dataclasses.replace(tune, epochs=defaults.AUTO))
 
 
 def _resolve_train(cfg: FinetuneConfig, n_train: int, method, derived: dict, *, task_head: bool = False,
