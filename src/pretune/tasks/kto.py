@@ -18,13 +18,19 @@ log-probability is the sum of its tokens'. With ``r = log pi(y|x) - log pi_ref(y
     undesirable  w_u (1 - sigmoid(beta (z0 - r)))                   w_d, w_u: task.desirable_weight / undesirable_weight
 
 and the loss is the mean over the batch's records. The reference model is given by the job, as for dpo (the base with
-the adapter switched off, or a frozen copy of the starting weights). z0 is estimated on each micro-batch of each
-process (TRL: on each process's batch, averaged over processes), so a micro-batch needs at least two records.
-Evaluation estimates z0 once over the whole file (the mismatched completions rotated within each evaluation batch)
-and reports the mean per-record ``loss``, ``kl`` (z0), ``margin`` (the mean reward ``beta * r`` of the desirable
-completions less that of the undesirable ones, TRL's rewards/margins) and ``reward_accuracy`` (a desirable
-completion's reward above ``beta * z0``, an undesirable one's below it: the side of the reference point the loss
-pushes it to; a tie is wrong).
+the adapter switched off, or a frozen copy of the starting weights). z0 is estimated on each micro-batch, so a
+micro-batch needs at least two records; under torchrun, as TRL's KTOTrainer does (``gather_for_metrics(kl).mean()``),
+the processes' estimates of their micro-batches (all of one size) are averaged by a detached all-reduce, and the mean
+is clamped at 0. With one micro-batch per process (``train.grad_accum=1``) z0 thus averages over the global batch's
+records as one process does, though each process rotates the mismatched rows within its own records
+(``task.precompute_reference=true`` fixes them by data order, which makes two processes train as one); with more,
+it averages the j-th micro-batch of every process, records that one process spreads over other micro-batches.
+Evaluation estimates z0 once over the whole file (the mismatched completions rotated within each evaluation batch;
+under torchrun each process batches its share of the file, so z0 and what depends on it differ with the number of
+processes, the rewards and the margin do not) and reports the mean per-record ``loss``, ``kl`` (z0), ``margin``
+(the mean reward ``beta * r`` of the desirable completions less that of the undesirable ones, TRL's rewards/margins)
+and ``reward_accuracy`` (a desirable completion's reward above ``beta * z0``, an undesirable one's below it: the side
+of the reference point the loss pushes it to; a tie is wrong).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 
 from ..config import ConfigError
 from ..data.readers import DataError
+from ..train.dist import mean_over_processes
 from .base import Record, TaskConfig, get_field
 from .dpo import DPO, _common_prefix, completion_rows
 
@@ -215,8 +222,14 @@ class KTO(DPO):
                               "this one holds one record. Raise train.batch_size (per process and train.grad_accum "
                               "micro-batch: at least 2 records)")
         lp = self.record_logps(model, batch)
-        kl = (lp["kl_logps"] - lp["ref_kl_logps"]).mean().detach().clamp(min=0)  # TRL: z0, no gradient
         desirable = batch["label"].bool()
+        # z0 of this micro-batch (no gradient), and its records of each side
+        local = torch.stack([(lp["kl_logps"] - lp["ref_kl_logps"]).mean().detach(),
+                             desirable.sum().to(lp["logps"].dtype), (~desirable).sum().to(lp["logps"].dtype)])
+        if model.training:  # torchrun: z0 is TRL's gather_for_metrics(kl).mean(), clamped after; training only, as
+            local = mean_over_processes(local)  # every process runs as many micro-batches (not so in evaluation)
+        kl = local[0].clamp(min=0)
+        held = {"desirable": bool(local[1] > 0), "undesirable": bool(local[2] > 0)}  # by this or another process
         c = self.cfg
         losses, rewards = kto_losses(beta=c.beta, desirable_weight=c.desirable_weight,
                                      undesirable_weight=c.undesirable_weight, logps=lp["logps"],
@@ -228,7 +241,8 @@ class KTO(DPO):
         sides = {"desirable": ("chosen", desirable), "undesirable": ("rejected", ~desirable)}
         margin = 0.0  # the mean desirable reward less the mean undesirable one, as a sum over the step's records
         for term, (side, keep) in sides.items():
-            if keep.any():
+            if held[term]:  # every process gives the same keys (the trainer sums one vector over them): a side some
+                # process's micro-batch holds, 0 where this one holds none; a side no record of it holds: none (TRL)
                 stats[f"{term}:rewards/{side}"] = float(rewards[keep].sum())
                 stats[f"{term}:logps/{side}"] = float(lp["logps"][keep].detach().sum())
                 sign = 1.0 if side == "chosen" else -1.0
