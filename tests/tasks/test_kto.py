@@ -214,6 +214,49 @@ def test_the_kl_reference_point_is_clamped_at_zero_and_carries_no_gradient():
     torch.testing.assert_close(rewards, torch.tensor([0.1, -0.1]))
 
 
+def test_under_torchrun_z0_is_the_mean_over_the_processes_and_each_logs_the_sides_any_holds(tiny, monkeypatch):
+    """What a training micro-batch hands the process group (tests/train/test_parallel.py runs two processes for
+    real): one detached mean over the processes of (its z0 estimate, desirable records, undesirable records); the mean
+    z0, clamped after averaging as TRL's gather().mean().clamp(), is the loss's; a side that another process's
+    micro-batch holds is logged by this one too (0: the processes sum one vector of statistics). Evaluation reduces
+    nothing (its batches differ between processes)."""
+    from pretune.tasks import kto as kto_module
+    from pretune.tasks.kto import kto_losses
+
+    policy, tok = _load(tiny["policy"])
+    ref, _ = _load(tiny["ref"])
+    task = _kto(policy, tok)
+    task.reference_model = _frozen(ref)
+    batch = _batch(task, [r for r in STRING_RECORDS if not r["label"]])  # 2 undesirable records
+    totals = {"kto": 2.0, "desirable": 1.0, "undesirable": 2.0}
+    seen, reduced = [], {}
+
+    def mean_over_processes(value):  # another process holds a desirable record
+        seen.append(value)
+        return reduced["value"]
+
+    monkeypatch.setattr(kto_module, "mean_over_processes", mean_over_processes)
+    with torch.no_grad():
+        lp = task.record_logps(policy, batch)
+    for z0, want in ((0.3, 0.3), (-0.2, 0.0)):
+        reduced["value"] = torch.tensor([z0, 0.5, 1.5])
+        policy.train()
+        loss, stats = task.loss(policy, batch, totals)
+        local = seen.pop()
+        assert not local.requires_grad
+        torch.testing.assert_close(local, torch.stack([(lp["kl_logps"] - lp["ref_kl_logps"]).mean(),
+                                                       torch.tensor(0.0), torch.tensor(2.0)]))
+        assert stats["kto:kl"] == pytest.approx(2 * want)
+        losses, _ = kto_losses(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, logps=lp["logps"],
+                               ref_logps=lp["ref_logps"], desirable=torch.tensor([False, False]),
+                               kl=torch.tensor(want))
+        assert float(loss.detach()) == pytest.approx(float(losses.sum()) / 2, abs=1e-6)
+        assert stats["desirable:rewards/chosen"] == 0.0 and stats["desirable:logps/chosen"] == 0.0
+    policy.eval()
+    _, stats = task.loss(policy, batch, totals)
+    assert not seen and "desirable:rewards/chosen" not in stats  # one process's view: no desirable record
+
+
 # ------------------------------------------------------------------------------------------- a whole run
 def _write_feedback(path, n: int):
     words = ["ocean", "river", "forest", "mountain", "desert", "valley", "island", "meadow"]

@@ -217,35 +217,152 @@ def test_fp16_under_fsdp_skips_a_step_that_overflows_in_one_process_only(tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, tokenizers_by_kind, parallel):
-    """Preference tuning under DDP and FSDP (issue 33): a tiny GPT-2 from scratch, full finetuning (the reference a frozen copy
-    of the starting weights), sigmoid DPO on string pairs — two processes give one process's losses, dev/test metrics
-    and weights, and a run killed mid-way resumes to the same bits."""
-    words = ["river", "stone", "cloud", "field", "light", "storm", "night", "green", "quiet", "bright"]
-    rows = [{"prompt": f"{words[i % 10]} {words[(3 * i) % 10]} is", "chosen": f" {words[(7 * i + 1) % 10]} good",
-             "rejected": f" {words[(5 * i + 2) % 10]} bad"} for i in range(48)]
+# -- preference tuning (issue 33) -----------------------------------------------------------------------
+WORDS = ["river", "stone", "cloud", "field", "light", "storm", "night", "green", "quiet", "bright"]
+
+
+@pytest.fixture(scope="module")
+def preference_args(tmp_path_factory, tokenizers_by_kind):
+    """make(out, task, parallel, *extra, base=None): ``pretune finetune --task TASK`` of a tiny GPT-2 (from scratch;
+    ``base``: LoRA on that checkpoint) on 32 string records (dpo and reward: pairs; kto: labelled completions, half of
+    them desirable), dev and test 8 each, 6 steps of 8 records in 2 micro-batches per process."""
+    d = tmp_path_factory.mktemp("preference")
     files = {}
-    for split, part in (("train", rows[:32]), ("dev", rows[32:40]), ("test", rows[40:])):
-        files[split] = tmp_path / f"{split}.jsonl"
-        files[split].write_text("".join(json.dumps(r) + "\n" for r in part))
+    for kind in ("pairs", "feedback"):
+        rows = []
+        for i in range(48):
+            if kind == "pairs":
+                rows.append({"prompt": f"{WORDS[i % 10]} {WORDS[(3 * i) % 10]} is", "chosen":
+                             f" {WORDS[(7 * i + 1) % 10]} good", "rejected": f" {WORDS[(5 * i + 2) % 10]} bad"})
+            else:  # records 2k and 2k+1: one prompt, one completion but its last word (" not": undesirable), so the
+                k = i // 2  # labels do not follow the lengths that batches are bucketed by
+                rows.append({"prompt": f"{WORDS[k % 10]} {WORDS[(3 * k + 1) % 10]} is",
+                             "completion": f" {WORDS[(7 * k + 2) % 10]} {'good' if i % 2 else 'not'}",
+                             "label": bool(i % 2)})
+        for split, part in (("train", rows[:32]), ("dev", rows[32:40]), ("test", rows[40:])):
+            files[kind, split] = d / f"{kind}-{split}.jsonl"
+            files[kind, split].write_text("".join(json.dumps(r) + "\n" for r in part))
 
-    def args(out):
-        return ["finetune", "--preset", "tiny-gpt2", "--tokenizer", str(tokenizers_by_kind["bpe"]), "--task", "dpo",
-                "--train", str(files["train"]), "--dev", str(files["dev"]), "--test", str(files["test"]), "--quiet",
-                "--out", str(out), "train.steps=6", "tune.epochs=0", "train.batch_size=8", "train.grad_accum=2",
-                "train.eval_every=3", "train.save_every=2", "train.lr=1e-3", "task.max_len=16",
-                f"train.parallel={parallel}", *QUIET]
+    def make(out, task, parallel, *extra, base=None):
+        start = (["--model", str(base), "--peft", "lora", "train.lr=1e-2"] if base else
+                 ["--preset", "tiny-gpt2", "--tokenizer", str(tokenizers_by_kind["bpe"]), "train.lr=1e-3"])
+        kind = "feedback" if task == "kto" else "pairs"
+        return ["finetune", *start, "--task", task, *(x for split in ("train", "dev", "test")
+                                                       for x in (f"--{split}", str(files[kind, split]))),
+                "--quiet", "--out", str(out), "train.steps=6", "tune.epochs=0", "train.batch_size=8",
+                "train.grad_accum=2", "train.eval_every=3", "train.save_every=2", "task.max_len=16",
+                f"train.parallel={parallel}", *QUIET, *extra]
+    return make
 
+
+@pytest.fixture(scope="module")
+def decoder_base(tmp_path_factory, pretrain_args):
+    """A tiny GPT-2 pretrained from scratch for 4 steps: the checkpoint LoRA needs as its base."""
+    out = tmp_path_factory.mktemp("decoder") / "run"
+    _run(pretrain_args(out, "train.steps=4"))
+    return out / "model"
+
+
+def _two_equal_one_and_resume(tmp_path, args, *, weights="model.safetensors", first_loss=None):
+    """``args(out)`` run in one process and in two give the same losses (the first ``first_loss``), dev/test metrics
+    and weights (file ``weights`` of model/), and a two-process run SIGKILLed after step 5 resumes from its step-4
+    checkpoint to the uninterrupted run's bits. Returns the one- and two-process run folders."""
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     _run(args(one))
     _run(args(two), procs=2)
     assert list(_curve(two).values()) == pytest.approx(list(_curve(one).values()), abs=1e-5)
-    assert _curve(one)[1] == pytest.approx(0.6931472, abs=1e-6)  # policy = reference at the first step
+    if first_loss is not None:
+        assert _curve(one)[1] == pytest.approx(first_loss, abs=1e-6)
     _same_metrics(_results(one), _results(two))
-    _close(_weights(two), _weights(one), 1e-5)
+    _close(_weights(two, weights), _weights(one, weights), 1e-5)
     _run(args(resumed), procs=2, mode="step", at=5, ok=False)
     _run(args(resumed) + ["--resume"], procs=2)
     assert _curve(resumed) == _curve(two)
-    a, b = _weights(resumed), _weights(two)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _results(resumed)["dev"] == _results(two)["dev"] and _results(resumed)["test"] == _results(two)["test"]
+    a, b = _weights(resumed, weights), _weights(two, weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return one, two
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preference_args, parallel):
+    """Preference tuning under DDP and FSDP (issue 33): a tiny GPT-2 from scratch, full finetuning (the reference a
+    frozen copy of the starting weights), sigmoid DPO on string pairs — two processes give one process's losses,
+    dev/test metrics and weights, and a run killed mid-way resumes to the same bits."""
+    _two_equal_one_and_resume(tmp_path, lambda out: preference_args(out, "dpo", parallel),
+                              first_loss=0.6931472)  # ln 2: policy = reference at the first step
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])  # ddp: ~20 s more
+def test_lora_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preference_args, decoder_base, parallel):
+    """DPO with a LoRA adapter on a tiny GPT-2 checkpoint, the reference the base with the adapter switched off (the
+    same sharded or replicated module, no second copy): the first loss ln 2 (LoRA's B starts at 0), two processes give
+    one process's losses, dev/test metrics and adapter weights, and a killed run resumes to the same bits."""
+    one, _ = _two_equal_one_and_resume(tmp_path, lambda out: preference_args(out, "dpo", parallel, base=decoder_base),
+                                       weights="adapter_model.safetensors", first_loss=0.6931472)
+    assert not (one / "model" / "model.safetensors").exists()  # the adapter alone was saved
+
+
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: ~20 s more
+def test_reward_model_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preference_args, parallel):
+    """A reward model (a tiny GPT-2 from scratch with a scalar head, Bradley-Terry on pairs): two processes give one
+    process's losses, dev/test loss, accuracy and margin, and weights, and a killed run resumes to the same bits.
+
+    With the centring term (task.center_rewards_coefficient, TRL's usual 0.01): without it the final norm's bias,
+    which shifts both scores of a pair alike, has a gradient of 0 up to rounding, which Adam scales up to steps of
+    ~lr, so its weights differ between one process and two by the rounding's sign (6.7e-5 measured)."""
+    one, _ = _two_equal_one_and_resume(tmp_path, lambda out: preference_args(out, "reward", parallel,
+                                                                             "task.center_rewards_coefficient=0.01"))
+    assert set(_results(one)["test"]) == {"loss", "accuracy", "margin"}
+
+
+def _predictions(run, split="test"):
+    return [json.loads(x) for x in (Path(run) / f"{split}_predictions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_kto_on_two_processes_equals_one_with_the_reference_precomputed(tmp_path, preference_args, parallel):
+    """KTO's reference point z0 is the mean over the processes of each one's estimate (TRL's gather().mean()). With
+    one micro-batch per process (train.grad_accum=1) and fixed mismatched rows (task.precompute_reference=true: each
+    record's is the previous record's completion), the 8 records z0 averages over at a step are the global batch's,
+    whether one process holds them or two hold 4 each (the mean of two means of 4 is the mean of 8), so the losses,
+    the train rows' kl and the weights are one process's. (With 2 micro-batches, one process's first averages records
+    0-3, two processes' first 0-1 and 4-5; with mismatched rows drawn from the micro-batch, each process rotates its
+    own records: neither can match one process.)
+
+    Dev and test: their mismatched rows rotate within each evaluation batch, and each process scores every other
+    record, so z0 and what depends on it (loss, kl, reward_accuracy) differ from one process's; the per-record rewards
+    and the margin do not depend on z0 and are equal. tune.keep_best=false: the best dev step, read from a metric that
+    depends on the number of processes, would pick the final weights."""
+    extra = ("task.precompute_reference=true", "train.grad_accum=1", "tune.keep_best=false")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(preference_args(one, "kto", parallel, *extra))
+    _run(preference_args(two, "kto", parallel, *extra), procs=2)
+    rows = {run: [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)}
+    train = {run: [r for r in rows[run] if r["split"] == "train"] for run in rows}
+    assert len(train[one]) == 6 and train[one][0]["loss"] == pytest.approx(0.5, abs=1e-6)  # policy = reference
+    for key in ("loss", "kl", "rewards/margins"):
+        assert [r[key] for r in train[two]] == pytest.approx([r[key] for r in train[one]], abs=1e-5), key
+    assert max(r["kl"] for r in train[one]) > 1e-3  # z0 left 0: each process's own z0 would not do (the losses of
+    # steps 5 and 6 differed by up to 1.3e-3 without the all-reduce)
+    _close(_weights(two), _weights(one), 1e-5)
+    for split in ("dev", "test"):
+        assert _results(two)[split]["margin"] == pytest.approx(_results(one)[split]["margin"], abs=1e-5), split
+    a, b = _predictions(one), _predictions(two)
+    assert [p["reward"] for p in b] == pytest.approx([p["reward"] for p in a], abs=1e-5)
+
+
+@pytest.mark.slow  # ~17 s each (make test-slow); kto's all-reduce under DDP and FSDP runs by default (above)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_kto_killed_on_two_processes_resumes_bitwise(tmp_path, preference_args, parallel):
+    """KTO with the reference pass and mismatched rows drawn from each micro-batch of 2 records, z0 averaged over the
+    processes at each micro-batch: a run SIGKILLed after step 5 resumes to the uninterrupted run's losses, dev/test
+    metrics and weights, bit for bit."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _run(preference_args(full, "kto", parallel), procs=2)
+    _run(preference_args(resumed, "kto", parallel), procs=2, mode="step", at=5, ok=False)
+    _run(preference_args(resumed, "kto", parallel) + ["--resume"], procs=2)
+    assert _curve(resumed) == _curve(full) and len(_curve(full)) == 6
+    assert _results(resumed)["dev"] == _results(full)["dev"] and _results(resumed)["test"] == _results(full)["test"]
+    a, b = _weights(resumed), _weights(full)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
