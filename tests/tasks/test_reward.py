@@ -1,7 +1,8 @@
 """Reward models (task reward): TRL's tokenization of pairs, the Bradley-Terry loss (with margins and reward
 centring), its logged metrics and gradients equal to TRL's RewardTrainer on a tiny random-weight
-LlamaForSequenceClassification, bad records named by file, line and field, and a run whose model `pretune convert
---to-hf` exports to a transformers model that scores as pretune does, and whose `pretune predict` writes scores.
+LlamaForSequenceClassification (full finetuning, and a peft LoRA with its trained copy of the score head), bad records
+named by file, line and field, and a run whose model `pretune convert --to-hf` exports to a transformers model that
+scores as pretune does, and whose `pretune predict` writes scores.
 
 The tokenizer and chat template are SmolLM2's (test_dpo's), whose pad token is its EOS: the score is read at the
 last token that is not the pad token, as transformers reads it."""
@@ -14,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from test_dpo import CHAT_PAIRS, STRING_PAIRS, TOKENIZER_FILES, _load, _without_pad_row, smollm2_folder
+from test_dpo import _LORA, CHAT_PAIRS, STRING_PAIRS, TOKENIZER_FILES, _load, _without_pad_row, smollm2_folder
 
 from pretune.data.readers import DataError
 from pretune.tasks import TaskConfig, build_task
@@ -55,14 +56,14 @@ def _batch(task, pairs):
     return task.collate([task.encode(Record(f"pairs.jsonl:{i + 1}", p))[0] for i, p in enumerate(pairs)])
 
 
-def _trl_reward(scorer, pairs, tmp, **kw):
+def _trl_reward(scorer, pairs, tmp, *, peft_config=None, **kw):
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
     args = RewardConfig(output_dir=str(tmp), report_to=[], max_length=96, per_device_train_batch_size=len(pairs),
                         use_cpu=True, bf16=False, dataset_num_proc=None, disable_tqdm=True, **kw)
     tr = RewardTrainer(model=copy.deepcopy(scorer["hf"]), args=args, train_dataset=Dataset.from_list(pairs),
-                       processing_class=scorer["hf_tok"])
+                       processing_class=scorer["hf_tok"], peft_config=peft_config)
     return tr, tr.data_collator([tr.train_dataset[i] for i in range(len(pairs))])
 
 
@@ -108,6 +109,78 @@ def test_loss_metrics_and_gradients_equal_trl(form, scorer, tmp_path):
     assert set(mapped) == set(grads) and "head.out.weight" in grads
     for n in grads:
         torch.testing.assert_close(grads[n], mapped[n], rtol=1e-4, atol=1e-5, msg=lambda m, k=n: f"{k}: {m}")
+
+
+def _lora_step(tr, trl_batch, model, task, pairs) -> tuple[dict, dict]:
+    """One loss and backward on each side (TRL's trainer, pretune's LoRA model): checks the loss and the logged
+    metrics within 1e-5 and returns TRL's and pretune's gradients of the LoRA matrices (keyed (layer, module,
+    "A"/"B")) and of the score head ("head")."""
+    tr.model.train()
+    tr.model.zero_grad()
+    tr._metrics["train"].clear()
+    want = tr.compute_loss(tr.model, dict(trl_batch))
+    want.backward()
+    want_stats = {k: v[-1] for k, v in tr._metrics["train"].items()}
+    batch = _batch(task, pairs)
+    assert torch.equal(batch["input_ids"], trl_batch["input_ids"])
+    model.train()
+    model.zero_grad()
+    counts = task.counts(batch)
+    loss, stats = task.loss(model, batch, {k: float(v) for k, v in counts.items()})
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), abs=1e-5)
+    for k in ("accuracy", "margin", "mean_reward"):
+        assert stats[f"reward:{k}"] / counts["reward"] == pytest.approx(want_stats[k], abs=1e-5), k
+
+    def key(name):
+        m = _LORA.search(name)
+        return m.groups() if m else "head"
+
+    theirs = {key(n): p.grad for n, p in tr.model.named_parameters() if p.grad is not None}
+    ours = {key(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(ours) == set(theirs) and "head" in ours
+    return theirs, ours
+
+
+def _trl_lora_adapter(scorer, pairs, tmp, lora, *, scale_b: float, scale_head: float):
+    """RewardTrainer with ``lora`` (task_type SEQ_CLS: peft trains a copy of the score head, modules_to_save), its
+    LoRA B moved off 0 and its head copy off the base head, the adapter saved under tmp/adapter."""
+    tr, trl_batch = _trl_reward(scorer, pairs, tmp / "trl", peft_config=lora, center_rewards_coefficient=0.01)
+    assert "score" in tr.model.peft_config["default"].modules_to_save  # peft adds the SEQ_CLS head's names
+    torch.manual_seed(1)
+    with torch.no_grad():  # B = 0 at init: move it, and the trained copy of the score head away from the base's
+        for n, p in tr.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, scale_b)
+            elif "modules_to_save" in n:
+                p.add_(torch.randn_like(p) * scale_head)
+    tr.model.save_pretrained(tmp / "adapter")
+    return tr, trl_batch
+
+
+@pytest.mark.parametrize("form", sorted(FORMATS))
+def test_loss_metrics_and_gradients_equal_trl_with_lora(form, scorer, tmp_path):
+    """RewardTrainer with a peft LoRA (task_type SEQ_CLS, so peft trains its own copy of the score head) against
+    pretune's reward task with that adapter loaded from peft's files (adapter_model.safetensors holds the head copy
+    as score.modules_to_save.default.weight; pretune routes its rows through the adapter's own head): the loss, the
+    logged metrics and the gradients of every LoRA matrix and of the head within 1e-5."""
+    pytest.importorskip("trl")
+    peft_lib = pytest.importorskip("peft")
+    from pretune import peft
+
+    lora = peft_lib.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                               task_type="SEQ_CLS")
+    tr, trl_batch = _trl_lora_adapter(scorer, FORMATS[form], tmp_path, lora, scale_b=0.05, scale_head=0.2)
+    model, tok = _load(scorer["dir"])
+    peft.load_adapter(model, tmp_path / "adapter", name="default")
+    peft.freeze_for(model, "default")
+    torch.testing.assert_close(model.head.adapter_heads["default"].out.weight,
+                               tr.model.base_model.model.score.modules_to_save["default"].weight)
+    task = _reward(model, tok, center_rewards_coefficient=0.01)
+    theirs, ours = _lora_step(tr, trl_batch, model, task, FORMATS[form])
+    assert len(ours) == 13  # 2 layers x 3 modules x (A, B) + the head
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-5, msg=str(k))
 
 
 @pytest.mark.parametrize("record, culprits", [
@@ -169,3 +242,4 @@ def test_a_run_exports_a_transformers_model_that_scores_as_pretune_and_predicts_
     with torch.no_grad():
         assert preds[1]["score"] == pytest.approx(float(task.scores(model, single)[0]), abs=1e-5)
     assert "score" in preds[2]
+
