@@ -18,12 +18,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import test_dpo
 import torch
-from test_dpo import tiny  # noqa: F401  (the module's fixture)
 
 from pretune.cli import main
 from pretune.io.checkpoint import read_weights
 
+tiny = test_dpo.tiny  # the shared fixture: the tiny Llama folders, built once per module
 REWARDS = textwrap.dedent('''
     def even_ids(prompts, completions, completion_ids, **kwargs):
         """The share of a completion's token ids that are even (dense: a tiny model can move it)."""

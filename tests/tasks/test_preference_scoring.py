@@ -9,11 +9,13 @@ import json
 import shutil
 
 import pytest
-from test_dpo import _write_pairs, tiny  # noqa: F401  (tiny: the module's fixture)
+import test_dpo
+from test_dpo import _write_pairs
 from test_kto import _write_feedback
 
 from pretune.cli import main
 
+tiny = test_dpo.tiny  # the shared fixture: the tiny Llama folders, built once per module
 RUN = ["--batch-size", "4", "--quiet", "--lr", "1e-3", "train.plot=false", "train.tensorboard=false",
        "tune.epochs=0", "train.steps=2", "task.max_len=48"]
 

@@ -20,8 +20,9 @@ per completion token (tasks/policy_gradient.py)
 normalised by ``task.loss_type``: ``dapo`` (TRL's default) over every completion token of the step, ``grpo`` per
 completion then over completions, ``dr_grpo`` over completions x ``task.max_new_tokens``. With one update per rollout
 pi_old is the policy itself (rho = 1, its gradient that of A log pi). ``task.kl_beta > 0`` (TRL's ``beta``) adds
-TRL's k3 estimate of the KL (times rho, TRL's ``use_bias_correction_kl``) to the reference (the adapter switched off, or a frozen copy of the starting weights) and a reference pass per
-step; 0 (TRL's default) needs none. Log-probabilities are taken at the sampling temperature (logits / T), as TRL.
+TRL's k3 estimate of the KL (times rho, TRL's ``use_bias_correction_kl``) to the reference (the adapter switched
+off, or a frozen copy of the starting weights) and a reference pass per step; 0 (TRL's default) needs none.
+Log-probabilities are taken at the sampling temperature (logits / T), as TRL takes them.
 
 Sampling is seeded by (train.seed, step, process, micro-batch), so a run samples the same completions every time
 and a resumed run continues exactly where it stopped. Dev and test decode greedily (one completion per prompt) and
@@ -36,7 +37,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..data.readers import DataError
@@ -45,7 +45,7 @@ from ..generation.prompt import ChatTemplate, PromptError, apply_chat_template
 from ..generation.scoring import lead_ids
 from ..model.layout import IGNORE, layout_of
 from .base import Record, Task, TaskConfig, get_field
-from .dpo import completion_rows
+from .dpo import completion_rows, token_logprobs
 from .policy_gradient import group_advantages, reduce_loss, token_losses
 from .rewards import build_rewards, check_records, compute_rewards
 from .sft import DEFAULT_CHAT_TEMPLATE, END_OF_TURN
@@ -237,7 +237,7 @@ class GRPO(Task):
         h, targets = self.layout.lm_inputs(model, batch)
         keep = targets != IGNORE
         logits = model.head(h[keep]).float() / self.cfg.temperature
-        logp = -F.cross_entropy(logits, targets[keep], reduction="none")
+        logp = token_logprobs(logits, targets[keep])
         n, t = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
         out = torch.zeros(n * t, device=logp.device, dtype=logp.dtype)
         out[keep] = logp
@@ -265,7 +265,7 @@ class GRPO(Task):
         advantages = adv_all[rank * n_local:(rank + 1) * n_local]
         out = []
         start = 0
-        for b, rows, recs in made:
+        for b, rows, _ in made:
             prompts = [b["input_ids"][i][b["attention_mask"][i] == 1].tolist() for i in range(len(b["rec"]))]
             seqs = [prompts[i // G] + rows[i] for i in range(len(rows))]
             batch = completion_rows([np.asarray(s) for s in seqs], [len(prompts[i // G]) for i in range(len(rows))],
