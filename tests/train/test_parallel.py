@@ -366,3 +366,38 @@ def test_kto_killed_on_two_processes_resumes_bitwise(tmp_path, preference_args, 
     assert _results(resumed)["dev"] == _results(full)["dev"] and _results(resumed)["test"] == _results(full)["test"]
     a, b = _weights(resumed), _weights(full)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+GRPO_REWARD = '''
+def even_ids(prompts, completions, completion_ids, **kwargs):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+'''
+
+
+@pytest.mark.slow  # ~25 s of torchrun (make test-slow); grpo's single-process resume runs by default (tests/tasks)
+def test_grpo_under_ddp_samples_each_process_its_groups_and_resumes_bitwise(tmp_path, tokenizers_by_kind,
+                                                                            monkeypatch):
+    """GRPO on two processes (issue 34): each samples the groups of its own prompts, the rewards are gathered for
+    the advantages and the logged statistics (the same in every process's row: one metrics.jsonl line per step),
+    and a run SIGKILLed after step 3 resumes to the bits of an uninterrupted two-process run."""
+    (tmp_path / "pg_rewards.py").write_text(GRPO_REWARD)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(16)))
+
+    def args(out):
+        return ["finetune", "--preset", "tiny-gpt2", "--tokenizer", str(tokenizers_by_kind["bpe"]), "--task", "grpo",
+                "--train", str(prompts), "--dev", str(prompts), "--quiet", "--out", str(out), "--reward",
+                "pg_rewards:even_ids", "--steps", "5", "--batch-size", "4", "--lr", "3e-2", "task.group_size=4",
+                "task.max_new_tokens=6", "task.max_len=16", "train.save_every=1", "train.eval_every=5",
+                "train.parallel=ddp", *QUIET]
+
+    two, resumed = tmp_path / "two", tmp_path / "resumed"
+    _run(args(two), procs=2)
+    rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert len(rows) == 5 and all(0 <= r["reward"] <= 1 for r in rows)
+    _run(args(resumed), procs=2, mode="step", at=3, ok=False)
+    _run(args(resumed) + ["--resume"], procs=2)
+    assert _curve(resumed) == _curve(two)
+    a, b = _weights(resumed), _weights(two)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -262,7 +262,8 @@ class GRPO(Task):
         every = _gather_rows(local, world)  # (all completions of the step, F + 3): groups never span processes
         adv_all, stats = group_advantages(every[:, -3], G, self.cfg.scale_rewards)
         n_local = local.shape[0]
-        advantages = adv_all[rank * n_local:(rank + 1) * n_local]
+        mine = rank if world > 1 else 0  # this process's rows of the gathered ones
+        advantages = adv_all[mine * n_local:(mine + 1) * n_local]
         out = []
         start = 0
         for b, rows, _ in made:
