@@ -66,3 +66,45 @@ def test_a_full_model_without_its_start_asks_for_reference(tiny, tmp_path, capsy
     # another model as the reference gives other rewards: the flag is read
     other = _scores(tmp_path, moved, test, "--reference", str(tiny["policy"]))
     assert other["loss"] != pytest.approx(want["loss"], abs=1e-4)
+
+
+def test_accumulated_micro_batches_train_as_the_whole_batch_and_the_adapter_loads_in_peft(tiny, tmp_path):
+    """dpo with train.grad_accum=2 (two micro-batches of 2 pairs) gives the losses and adapter weights of one batch of
+    4 pairs; the run's model/ is a PEFT-format adapter that peft.PeftModel.from_pretrained loads onto transformers'
+    model, which then gives pretune's log-probability of a completion."""
+    T = pytest.importorskip("transformers")
+    peft_lib = pytest.importorskip("peft")
+    import torch
+
+    from pretune.io.checkpoint import read_weights
+    from pretune.jobs.inference import load_finetuned
+
+    train = _write_pairs(tmp_path / "train.jsonl", 8)
+    runs = {}
+    for accum in (1, 2):
+        out = tmp_path / f"accum{accum}"
+        argv = ["finetune", "--model", str(tiny["ref"]), "--task", "dpo", "--peft", "lora", "--train", str(train),
+                "--test", str(train), "--out", str(out), "--quiet", "--batch-size", "4", "--lr", "1e-2",
+                "train.plot=false", "train.tensorboard=false", "train.log_every=1", "tune.epochs=0", "train.steps=3",
+                "task.max_len=48", "train.precision=fp32", f"train.grad_accum={accum}"]
+        assert main(argv) == 0
+        runs[accum] = out
+    curves = [[json.loads(x)["loss"] for x in (runs[a] / "metrics.jsonl").read_text().splitlines()
+               if '"train"' in x] for a in (1, 2)]
+    assert curves[1] == pytest.approx(curves[0], abs=1e-6)
+    a, b = (read_weights(runs[k] / "model" / "adapter_model.safetensors") for k in (1, 2))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    # peft loads the adapter onto transformers' model: the same log-probabilities as pretune's
+    hf = peft_lib.PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(tiny["ref"]), runs[1] / "model")
+    model, _, task = load_finetuned(runs[1] / "model")
+    from pretune.tasks.base import Record
+
+    batch = task.collate([task.encode(Record("p:1", json.loads(train.read_text().splitlines()[0])))[0]])
+    ours, _ = task.sequence_logps(model.eval(), batch)
+    with torch.no_grad():
+        logits = hf.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    keep = labels != -100
+    theirs = torch.log_softmax(logits.double(), -1).gather(2, labels.clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(ours, (theirs * keep).sum(1).float(), rtol=1e-5, atol=1e-5)
