@@ -231,7 +231,7 @@ def test_under_torchrun_z0_is_the_mean_over_the_processes_and_each_logs_the_side
     totals = {"kto": 2.0, "desirable": 1.0, "undesirable": 2.0}
     seen, reduced = [], {}
 
-    def mean_over_processes(value):  # another process holds a desirable record
+    def mean_over_processes(value, dist):  # another process holds a desirable record
         seen.append(value)
         return reduced["value"]
 

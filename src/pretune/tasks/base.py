@@ -134,6 +134,8 @@ class Task(Objective):
     metrics: ClassVar[tuple[str, ...]] = ()  # the metrics it reports (names of tasks.metrics.METRICS)
     default_metric: ClassVar[str] = ""  # the dev metric of model selection and early stopping (task.metric)
     labels_in_task: ClassVar[bool] = False  # the label set lives in task.json (task.labels), not the model
+    dist = None  # under torchrun, the job's train.dist.DistInfo (its rank, world, all_gather), set by the finetuning
+    # job for the tasks that talk to the other processes while training (kto's z0, grpo's rewards); None: one process
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

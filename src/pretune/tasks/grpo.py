@@ -259,7 +259,8 @@ class GRPO(Task):
         lengths = torch.tensor([len(x) for _, rows, _ in made for x in rows], dtype=torch.float32)
         clipped = torch.tensor([float(x[-1] not in self.stop_ids) for _, rows, _ in made for x in rows])
         local = torch.cat([per_func, total[:, None], lengths[:, None], clipped[:, None]], dim=1)
-        every = _gather_rows(local, world)  # (all completions of the step, F + 3): groups never span processes
+        # (all completions of the step, F + 3), in process order: groups never span processes
+        every = torch.cat(self.dist.all_gather(local)) if world > 1 else local
         adv_all, stats = group_advantages(every[:, -3], G, self.cfg.scale_rewards)
         n_local = local.shape[0]
         mine = rank if world > 1 else 0  # this process's rows of the gathered ones
@@ -350,14 +351,3 @@ def _nanstd(col: torch.Tensor) -> float:
     """TRL's nanstd: the unbiased std over the values that are not NaN."""
     vals = col[~torch.isnan(col)]
     return float(vals.std()) if len(vals) > 1 else float("nan")
-
-
-def _gather_rows(local: torch.Tensor, world: int) -> torch.Tensor:
-    """Every process's rows, in process order (each process has as many)."""
-    if world <= 1:
-        return local
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous())
-    return torch.cat(parts)

@@ -42,7 +42,6 @@ import torch
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..train.dist import mean_over_processes
 from .base import Record, TaskConfig, get_field
 from .dpo import DPO, _common_prefix, completion_rows
 
@@ -73,6 +72,16 @@ class KTOSettings(TaskConfig):
         for key in ("desirable_weight", "undesirable_weight"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"task.{key}={getattr(self, key)} must be > 0")
+
+
+def mean_over_processes(value: torch.Tensor, dist) -> torch.Tensor:
+    """The mean of ``value`` over the processes of a torchrun run, detached: ``dist`` is the job's
+    ``train.dist.DistInfo`` (its ``all_gather``, handed down as to ``tasks.run.evaluate_task``; tasks import nothing
+    of ``train``); ``value`` itself for one process (``dist`` None or of one process). Every process must call it,
+    as often and in the same order."""
+    if dist is None or not dist.enabled:
+        return value
+    return torch.stack(dist.all_gather(value.detach().cpu())).mean(0).to(value.device)
 
 
 def kto_losses(*, beta: float, desirable_weight: float, undesirable_weight: float, logps: torch.Tensor,
@@ -227,7 +236,8 @@ class KTO(DPO):
         local = torch.stack([(lp["kl_logps"] - lp["ref_kl_logps"]).mean().detach(),
                              desirable.sum().to(lp["logps"].dtype), (~desirable).sum().to(lp["logps"].dtype)])
         if model.training:  # torchrun: z0 is TRL's gather_for_metrics(kl).mean(), clamped after; training only, as
-            local = mean_over_processes(local)  # every process runs as many micro-batches (not so in evaluation)
+            local = mean_over_processes(local, self.dist)  # every process runs as many micro-batches (not so in
+            # evaluation)
         kl = local[0].clamp(min=0)
         held = {"desirable": bool(local[1] > 0), "undesirable": bool(local[2] > 0)}  # by this or another process
         c = self.cfg

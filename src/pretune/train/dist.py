@@ -55,18 +55,6 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return values
 
 
-def mean_over_processes(value: torch.Tensor) -> torch.Tensor:
-    """The mean of ``value`` over the processes of the default process group (the sum of theirs over their number,
-    gloo having no mean), detached, on ``value``'s device: for code below ``train`` that holds no DistInfo (kto's
-    reference point). ``value`` itself when torch.distributed is not initialised or holds one process. Every process
-    must call it, as often and in the same order."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return value
-    out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out / dist.get_world_size()
-
-
 def all_gather_objects(obj, info: DistInfo) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every process."""
     if not info.enabled:

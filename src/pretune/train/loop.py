@@ -201,8 +201,8 @@ class Trainer:
             batch = self.make_batch(self.data.train_ids[:2], epoch=0)
             if hasattr(self.objective, "rollout"):  # grpo: completions to train on (this process's alone, no step)
                 with self._autocast():
-                    batch = self.objective.rollout(self.model, [batch], step=-1, seed=self.cfg.seed, rank=self.dist.rank,
-                                                   world=1)[0][0]
+                    batch = self.objective.rollout(self.model, [batch], step=-1, seed=self.cfg.seed,
+                                                   rank=self.dist.rank, world=1)[0][0]
             totals = {k: max(float(v), 1.0) for k, v in self.objective.counts(batch).items()}
             self.module.train()
             with self._autocast():  # as a step runs it (a base stored in bf16 runs only under bf16 autocast)

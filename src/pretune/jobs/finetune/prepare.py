@@ -119,9 +119,9 @@ def resolved_yaml(cfg: FinetuneConfig) -> str:
     from omegaconf import OmegaConf
 
     if not cfg.data.train or not (cfg.model.get("init") or cfg.model.get("preset")):
-        note = ("# train.batch_size, tune.epochs (so train.steps), warmup_steps, eval_every and lr are derived from the data "
-                "and the model when the run\n# starts: give data.train and model.init (or model.preset) to see the "
-                "values it will use\n")
+        note = ("# train.batch_size, tune.epochs (so train.steps), warmup_steps, eval_every and lr are derived from "
+                "the data and the model when the run\n# starts: give data.train and model.init (or model.preset) to "
+                "see the values it will use\n")
         return note + OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
     job = prepare(cfg, show_progress=False, log=lambda *a: None)
     return job.cfg.to_yaml().rstrip("\n")

@@ -29,6 +29,7 @@ def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None):
         return {n: p for n, p in model.named_parameters() if n in trained}
 
     dist = dist or DistInfo()
+    task.dist = dist  # kto and grpo gather across the processes while training
     trainers = []
 
     def evaluator() -> dict:
