@@ -7,8 +7,8 @@ import pytest
 
 from pretune.cli import main
 from pretune.config import ConfigError
-from pretune.jobs.finetune import finetune, load_finetune_config, prepare
 from pretune.jobs.finetune import defaults as d
+from pretune.jobs.finetune import finetune, load_finetune_config, prepare
 
 
 @pytest.mark.parametrize("n, batch, epochs", [(40, 8, 20), (100, 8, 20), (300, 8, 7), (499, 8, 5), (500, 16, 9),
