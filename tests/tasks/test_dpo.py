@@ -118,7 +118,7 @@ def _trl_step(tr, batch, loss_type: str) -> tuple[float, dict, dict]:
     loss = tr.compute_loss(tr.model, batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
-    return float(loss), {k: v[-1] for k, v in tr._metrics["train"].items()}, grads
+    return float(loss.detach()), {k: v[-1] for k, v in tr._metrics["train"].items()}, grads
 
 
 def _our_step(task, model, batch) -> tuple[float, dict, dict]:

@@ -293,7 +293,8 @@ def test_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preferenc
                               first_loss=0.6931472)  # ln 2: policy = reference at the first step
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])  # ddp: ~20 s more
+@pytest.mark.slow  # ~20 s each under torchrun (make test-slow); full-finetuning dpo under DDP and FSDP runs by default
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_lora_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preference_args, decoder_base, parallel):
     """DPO with a LoRA adapter on a tiny GPT-2 checkpoint, the reference the base with the adapter switched off (the
     same sharded or replicated module, no second copy): the first loss ln 2 (LoRA's B starts at 0), two processes give
@@ -303,7 +304,8 @@ def test_lora_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, pref
     assert not (one / "model" / "model.safetensors").exists()  # the adapter alone was saved
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: ~20 s more
+@pytest.mark.slow  # ~15-20 s each under torchrun (make test-slow): the default suite keeps to its 12 minutes
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_reward_model_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preference_args, parallel):
     """A reward model (a tiny GPT-2 from scratch with a scalar head, Bradley-Terry on pairs): two processes give one
     process's losses, dev/test loss, accuracy and margin, and weights, and a killed run resumes to the same bits.
@@ -320,7 +322,7 @@ def _predictions(run, split="test"):
     return [json.loads(x) for x in (Path(run) / f"{split}_predictions.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: ~8 s more
 def test_kto_on_two_processes_equals_one_with_the_reference_precomputed(tmp_path, preference_args, parallel):
     """KTO's reference point z0 is the mean over the processes of each one's estimate (TRL's gather().mean()). With
     one micro-batch per process (train.grad_accum=1) and fixed mismatched rows (task.precompute_reference=true: each
