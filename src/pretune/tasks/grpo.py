@@ -219,7 +219,9 @@ class GRPO(Task):
         return rows
 
     def _text(self, ids: list[int]) -> str:
-        return self.tok.decode([t for t in ids if t not in self.stop_ids])
+        """A completion as the rewards read it: decoded without special tokens (TRL's batch_decode(...,
+        skip_special_tokens=True))."""
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def score_completions(self, recs: list[Record], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(each reward of each completion (N, F), NaN where a function said None; the weighted total (N,)):
