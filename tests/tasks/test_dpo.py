@@ -128,7 +128,7 @@ def _our_step(task, model, batch) -> tuple[float, dict, dict]:
     loss, stats = task.loss(model, batch, {k: float(v) for k, v in counts.items()})
     loss.backward()
     means = {k.partition(":")[2]: v / counts["pref"] for k, v in stats.items() if ":" in k}
-    return float(loss), means, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), means, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _without_pad_row(grads: dict, cfg) -> dict:
