@@ -139,3 +139,22 @@ def test_a_reward_that_fails_mid_run_stops_after_a_checkpoint(tiny, workdir, cap
     assert code != 0 and "flaky" in err and "prompts.jsonl:" in err and "no score for you" in err
     assert "at step 3" in err and "--resume" in err and "Traceback" not in err
     assert (workdir / "run" / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_a_chat_prompt_is_rendered_as_dpo_renders_it_with_the_generation_prompt(tiny):
+    """A prompt given as messages (or a string with task.chat=true, task.system set) is the chat template's rendering
+    with its generation prompt: the prompt ids dpo gives the same conversation."""
+    from pretune.tasks import TaskConfig, build_task
+    from pretune.tasks.base import Record
+
+    model, tok = test_dpo._load(tiny["ref"])
+    grpo = build_task(TaskConfig(name="grpo", system="Be brief."), model.config, tok)
+    dpo = build_task(TaskConfig(name="dpo", system="Be brief."), model.config, tok)
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    want = dpo.pair_ids(Record("p:1", {"prompt": msgs, "chosen": [{"role": "assistant", "content": "4"}],
+                                       "rejected": [{"role": "assistant", "content": "5"}]}))[0]
+    assert grpo.prompt_ids(Record("p:1", {"prompt": msgs})) == want
+    text = tok.decode(want)
+    assert text.startswith("<|im_start|>system\nBe brief.") and text.endswith("<|im_start|>assistant\n")
+    as_chat = build_task(TaskConfig(name="grpo", system="Be brief.", chat=True), model.config, tok)
+    assert as_chat.prompt_ids(Record("p:1", {"prompt": "What is 2 + 2?"})) == want

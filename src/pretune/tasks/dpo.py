@@ -42,11 +42,11 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from ..generation.prompt import ChatTemplate, PromptError, apply_chat_template
+from ..generation.prompt import PromptError, apply_chat_template
 from ..generation.scoring import lead_ids
 from ..model.layout import IGNORE, layout_of
 from .base import Record, Task, TaskConfig, get_field
-from .sft import DEFAULT_CHAT_TEMPLATE
+from .sft import chat_template
 
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
 MEAN_LOGPS = ("simpo", "orpo")  # losses on the mean token log-probability of a completion (TRL's CPO, ORPO)
@@ -138,7 +138,30 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-class DPO(Task):
+class ChatPrompts:
+    """A prompt rendered with the task's chat template (``self.template``), as SFT renders it: what the tasks whose
+    records carry a prompt as a string or as messages share (dpo, kto, reward, grpo; their settings have
+    ``prompt_field`` and ``system``)."""
+
+    def _prompt_messages(self, rec: Record, prompt) -> list[dict]:
+        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if self.cfg.system and not (msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system"):
+            msgs = [{"role": "system", "content": self.cfg.system}] + msgs
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DataError(f"{rec.where}: field {self.cfg.prompt_field!r}, message {i} is {m!r:.80}; expected "
+                                "{'role': str, 'content': str}")
+        return msgs
+
+    def _render_ids(self, rec: Record, msgs: list[dict], *, add_generation_prompt: bool) -> list[int]:
+        try:
+            text = apply_chat_template(self.template, msgs, add_generation_prompt=add_generation_prompt)
+        except PromptError as e:
+            raise DataError(f"{rec.where}: {e}") from None
+        return list(self.tok.tk.encode(text, add_special_tokens=False).ids)  # as a whole, as SFT and TRL do
+
+
+class DPO(ChatPrompts, Task):
     Settings = DPOSettings
     name = "dpo"
     model_head = "lm"
@@ -157,9 +180,7 @@ class DPO(Task):
         self.eos_text = tok.id_to_token(self.eos)
         self.layout = layout_of(model_cfg, "causal")
         self.lead = lead_ids(tok)
-        self.template = ChatTemplate(tok.chat_template or DEFAULT_CHAT_TEMPLATE,
-                                     {f"{r}_token": t for r, t in tok.roles.items() if t is not None},
-                                     "the tokenizer" if tok.chat_template else "pretune's default chat template")
+        self.template = chat_template(tok)
         self.truncated = 0  # pairs whose completions were cut at task.max_len (their end): reported by prepare
         self.reference_model: Reference | None = None  # set by the job when the loss needs a reference
 
@@ -189,23 +210,6 @@ class DPO(Task):
         if not any(m["content"].strip() for m in value):
             raise DataError(f"{rec.where}: field {name!r} is an empty completion; a pair needs text on both sides")
         return value
-
-    def _prompt_messages(self, rec: Record, prompt) -> list[dict]:
-        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if self.cfg.system and not (msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system"):
-            msgs = [{"role": "system", "content": self.cfg.system}] + msgs
-        for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise DataError(f"{rec.where}: field {self.cfg.prompt_field!r}, message {i} is {m!r:.80}; expected "
-                                "{'role': str, 'content': str}")
-        return msgs
-
-    def _render_ids(self, rec: Record, msgs: list[dict], *, add_generation_prompt: bool) -> list[int]:
-        try:
-            text = apply_chat_template(self.template, msgs, add_generation_prompt=add_generation_prompt)
-        except PromptError as e:
-            raise DataError(f"{rec.where}: {e}") from None
-        return list(self.tok.tk.encode(text, add_special_tokens=False).ids)  # as a whole, as SFT and TRL do
 
     def pair_ids(self, rec: Record) -> tuple[list[int], list[int], list[int]]:
         """(prompt, chosen, rejected) token ids of a record, untruncated: TRL's tokenization (the prompt alone,

@@ -41,14 +41,13 @@ import torch
 from ..config import ConfigError
 from ..data.readers import DataError
 from ..generation.decode import generate
-from ..generation.prompt import ChatTemplate, PromptError, apply_chat_template
 from ..generation.scoring import lead_ids
 from ..model.layout import IGNORE, layout_of
 from .base import Record, Task, TaskConfig, get_field
-from .dpo import completion_rows, token_logprobs
+from .dpo import ChatPrompts, completion_rows, token_logprobs
 from .policy_gradient import group_advantages, reduce_loss, token_losses
 from .rewards import build_rewards, check_records, compute_rewards
-from .sft import DEFAULT_CHAT_TEMPLATE, END_OF_TURN
+from .sft import chat_template, stop_ids
 
 
 @dataclass
@@ -107,7 +106,7 @@ def _seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-class GRPO(Task):
+class GRPO(ChatPrompts, Task):
     Settings = GRPOSettings
     name = "grpo"
     model_head = "lm"
@@ -127,11 +126,8 @@ class GRPO(Task):
             raise ConfigError("task grpo needs an EOS token to end a completion; the tokenizer has none")
         self.layout = layout_of(model_cfg, "causal")
         self.lead = lead_ids(tok)
-        self.template = ChatTemplate(tok.chat_template or DEFAULT_CHAT_TEMPLATE,
-                                     {f"{r}_token": t for r, t in tok.roles.items() if t is not None},
-                                     "the tokenizer" if tok.chat_template else "pretune's default chat template")
-        specials = {tok.id_to_token(i) for i in tok.special_ids}
-        self.stop_ids = sorted({self.eos} | {tok.token_to_id(t) for t in END_OF_TURN if t in specials})
+        self.template = chat_template(tok)
+        self.stop_ids = stop_ids(tok, self.eos)
         c = cfg
         self.rewards = build_rewards(c.rewards, answer_field=c.answer_field, answer_regex=c.answer_regex,
                                      format_regex=c.format_regex,
@@ -157,18 +153,7 @@ class GRPO(Task):
         c = self.cfg
         prompt = self.prompt(rec)
         if isinstance(prompt, list) or c.chat:
-            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if c.system and not (msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system"):
-                msgs = [{"role": "system", "content": c.system}] + msgs
-            for i, m in enumerate(msgs):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise DataError(f"{rec.where}: field {c.prompt_field!r}, message {i} is {m!r:.80}; expected "
-                                    "{'role': str, 'content': str}")
-            try:
-                text = apply_chat_template(self.template, msgs, add_generation_prompt=True)
-            except PromptError as e:
-                raise DataError(f"{rec.where}: {e}") from None
-            return list(self.tok.tk.encode(text, add_special_tokens=False).ids)
+            return self._render_ids(rec, self._prompt_messages(rec, prompt), add_generation_prompt=True)
         if not prompt.strip():
             raise DataError(f"{rec.where}: field {c.prompt_field!r} is empty")
         return self.lead + self.tok.encode(prompt)

@@ -71,6 +71,20 @@ class SFTSettings(GenerationSettings):
     assistant_turns: Literal["all", "last"] = "all"  # chats: learn every assistant turn, or the last one only
 
 
+def chat_template(tok) -> ChatTemplate:
+    """The chat template a task renders conversations with: the tokenizer's, else pretune's default (sft, dpo, kto,
+    reward, grpo)."""
+    return ChatTemplate(tok.chat_template or DEFAULT_CHAT_TEMPLATE,
+                        {f"{r}_token": t for r, t in tok.roles.items() if t is not None},
+                        "the tokenizer" if tok.chat_template else "pretune's default chat template")
+
+
+def stop_ids(tok, eos: int) -> list[int]:
+    """The tokens a generated completion ends at: ``eos`` and the tokenizer's special end-of-turn tokens."""
+    specials = {tok.id_to_token(i) for i in tok.special_ids}
+    return sorted({eos} | {tok.token_to_id(t) for t in END_OF_TURN if t in specials})
+
+
 class SFT(Seq2Seq):
     Settings = SFTSettings
     name = "sft"
@@ -88,11 +102,8 @@ class SFT(Seq2Seq):
         self.layout = layout_of(model_cfg, "causal")
         tok = tokenizer
         self.lead = lead_ids(tok)
-        self.template = ChatTemplate(tok.chat_template or DEFAULT_CHAT_TEMPLATE,
-                                     {f"{r}_token": t for r, t in tok.roles.items() if t is not None},
-                                     "the tokenizer" if tok.chat_template else "pretune's default chat template")
-        specials = {tok.id_to_token(i) for i in tok.special_ids}
-        self.stop_ids = sorted({self.eos} | {tok.token_to_id(t) for t in END_OF_TURN if t in specials})
+        self.template = chat_template(tok)
+        self.stop_ids = stop_ids(tok, self.eos)
         self.formats: Counter = Counter()
         self.truncated = 0  # examples cut at task.max_len (their end, or a prompt's beginning): reported by prepare
 
