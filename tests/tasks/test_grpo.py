@@ -84,17 +84,23 @@ def test_grpo_raises_a_reward_and_logs_trls_metrics_in_order(tiny, workdir, toke
     assert results["metric"] == "reward" and "rewards/even_ids" in results["dev"]
 
 
-def test_same_seed_same_weights_and_a_killed_run_resumes_bitwise(tiny, workdir):
-    """A run SIGKILLed after step 3 and resumed samples the same completions (the same rewards at every step) and
+@pytest.mark.parametrize("extra, kill_after", [
+    ([], 3),
+    # two steps a rollout, killed after step 4: the newest checkpoint (step 3) holds step 3's rollout, which step 4
+    # trains on again
+    (["task.num_iterations=2"], 4),
+])
+def test_same_seed_same_weights_and_a_killed_run_resumes_bitwise(tiny, workdir, extra, kill_after):
+    """A run SIGKILLed mid-way and resumed samples the same completions (the same rewards at every step) and
     ends with the bits of an uninterrupted run with the same seed, in another process (the sampling is seeded by
     seed, step, process and micro-batch, not by a generator's state). One thread, as the suite's other resume
     tests."""
     helper = Path(__file__).resolve().parents[1] / "helpers" / "kill_run.py"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ["--steps", "5", "train.save_every=1", "train.eval_every=5", "train.threads=1"]
+    args = ["--steps", "5", "train.save_every=1", "train.eval_every=5", "train.threads=1", *extra]
 
     def run(name, *more, mode="none", ok=True):
-        cmd = [sys.executable, str(helper), mode, "3", *_argv(tiny, workdir / name, *args, *more)]
+        cmd = [sys.executable, str(helper), mode, str(kill_after), *_argv(tiny, workdir / name, *args, *more)]
         res = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
         assert (res.returncode == 0) == ok, res.stderr[-3000:]
 
@@ -103,7 +109,23 @@ def test_same_seed_same_weights_and_a_killed_run_resumes_bitwise(tiny, workdir):
     run("c", "--resume")
     a, c = (read_weights(workdir / n / "model" / "model.safetensors") for n in "ac")
     assert all(torch.equal(a[k], c[k]) for k in a)
-    assert [r["reward"] for r in _train_rows(workdir / "c")] == [r["reward"] for r in _train_rows(workdir / "a")]
+    assert [r.get("reward") for r in _train_rows(workdir / "c")] == [r.get("reward") for r in _train_rows(workdir / "a")]
+
+
+def test_several_steps_a_rollout_train_on_it_with_the_ratio_to_the_sampling_policy(tiny, workdir):
+    """task.num_iterations=3 (TRL's num_iterations): a rollout (rewards logged) at steps 1, 4, 7, each trained on for
+    three steps; at a rollout's first step the ratio is exactly 1 (the old log-probs are the policy's own, taken as
+    the loss takes them), at the steps after it moves and gets clipped (lr 5e-2 moves it past 1 +- 0.2) — with one
+    step a rollout nothing is ever clipped."""
+    def run(name, *more):
+        assert main(_argv(tiny, workdir / name, "--steps", "7", "--lr", "5e-2", *more)) == 0
+        return _train_rows(workdir / name)
+
+    rows = run("mu3", "task.num_iterations=3")
+    assert [i for i, r in enumerate(rows) if "reward" in r] == [0, 3, 6]
+    assert all(rows[i]["clip_ratio/region_mean"] == 0 for i in (0, 3, 6))
+    assert max(rows[i]["clip_ratio/region_mean"] for i in (1, 2, 4, 5)) > 0
+    assert all(r["clip_ratio/region_mean"] == 0 for r in run("mu1"))
 
 
 @pytest.mark.parametrize("extra, culprits", [

@@ -19,7 +19,9 @@ per completion token (tasks/policy_gradient.py)
 
 normalised by ``task.loss_type``: ``dapo`` (TRL's default) over every completion token of the step, ``grpo`` per
 completion then over completions, ``dr_grpo`` over completions x ``task.max_new_tokens``. With one update per rollout
-pi_old is the policy itself (rho = 1, its gradient that of A log pi). ``task.kl_beta > 0`` (TRL's ``beta``) adds
+pi_old is the policy itself (rho = 1, its gradient that of A log pi); ``task.num_iterations`` = mu > 1 trains mu
+optimizer steps on each rollout (TRL's ``num_iterations``), pi_old the policy that sampled it, its log-probabilities
+kept with the rollout (the trainer keeps the rollout in its checkpoints, so a resumed run continues bitwise). ``task.kl_beta > 0`` (TRL's ``beta``) adds
 TRL's k3 estimate of the KL (times rho, TRL's ``use_bias_correction_kl``) to the reference (the adapter switched
 off, or a frozen copy of the starting weights) and a reference pass per step; 0 (TRL's default) needs none.
 Log-probabilities are taken at the sampling temperature (logits / T), as TRL takes them.
@@ -78,6 +80,8 @@ class GRPOSettings(TaskConfig):
     # each micro-batch over its own tokens (TRL's bnpo)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # divide advantages by the std of the group, of the
     # step's rewards, or not at all (Dr. GRPO)
+    num_iterations: int = 1  # optimizer steps per rollout (TRL's num_iterations, the paper's mu): the steps after the
+    # first train on the same completions, the ratio taken to the log-probabilities they were sampled with
 
     def validate(self) -> None:
         super().validate()
@@ -93,6 +97,8 @@ class GRPOSettings(TaskConfig):
         if self.kl_beta < 0 or self.epsilon <= 0 or self.epsilon_high < 0:
             raise ConfigError(f"task.kl_beta={self.kl_beta}, task.epsilon={self.epsilon}, task.epsilon_high="
                               f"{self.epsilon_high}: expected kl_beta >= 0, epsilon > 0, epsilon_high >= 0")
+        if self.num_iterations < 1:
+            raise ConfigError(f"task.num_iterations={self.num_iterations} must be >= 1 (optimizer steps per rollout)")
         if not self.rewards:
             raise ConfigError("task.rewards is empty: give at least one reward function (--reward NAME)")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
@@ -140,6 +146,12 @@ class GRPO(ChatPrompts, Task):
     @property
     def needs_reference(self) -> bool:
         return self.cfg.kl_beta > 0
+
+    @property
+    def iterations(self) -> int:
+        """Optimizer steps per rollout: the trainer rolls out at every this-many-th step and trains the steps
+        between on the same batches (kept in its checkpoints)."""
+        return self.cfg.num_iterations
 
     def records(self) -> dict:
         return {"decoder_layout": "causal"}
@@ -264,6 +276,11 @@ class GRPO(ChatPrompts, Task):
             if self.needs_reference:
                 with self.reference_model(model) as ref:
                     batch["ref_logps"], _ = self.token_logps(ref, batch)
+            if self.cfg.num_iterations > 1:  # later steps take the ratio to the policy that sampled (TRL's old logps)
+                was_training = model.training
+                model.train()  # as the loss will see it
+                batch["old_logps"], _ = self.token_logps(model, batch)
+                model.train(was_training)
             out.append(batch)
         metrics = {"reward": stats["reward"], "reward_std": stats["reward_std"]}
         for k, name in enumerate(self.names):
@@ -287,7 +304,7 @@ class GRPO(ChatPrompts, Task):
     def loss(self, model, batch, totals):
         c = self.cfg
         logps, mask = self.token_logps(model, batch)
-        terms = token_losses(logps, None, batch["advantages"], mask, epsilon_low=c.epsilon,
+        terms = token_losses(logps, batch.get("old_logps"), batch["advantages"], mask, epsilon_low=c.epsilon,
                              epsilon_high=c.epsilon_high or c.epsilon, beta=c.kl_beta, ref_logps=batch.get("ref_logps"))
         numerator, unit = reduce_loss(terms["loss"], mask, c.loss_type, max_completion_length=c.max_new_tokens)
         # "{unit}:{name}": a sum the trainer divides by the step's total of that unit (TRL's token means)

@@ -191,6 +191,9 @@ class Trainer:
         self.position = {"epoch": 0, "batch": 0}
         self._plan_epoch = None
         self._plan: list[np.ndarray] = []
+        # an on-policy task training several steps on one rollout (grpo's task.num_iterations): this process's
+        # rolled-out micro-batches and their epoch, until the next rollout (in every checkpoint taken between)
+        self._rollout: dict | None = None
 
     def _unused_parameters(self) -> list[str]:
         """Names of trainable parameters that no loss term reaches, found by one forward/backward pass over two
@@ -254,18 +257,29 @@ class Trainer:
             return torch.autocast(self.dist.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
+    def _reuses_rollout(self) -> bool:
+        """Whether this step trains on the batches of an earlier step's rollout (not on new ones)."""
+        return hasattr(self.objective, "rollout") and self.step % getattr(self.objective, "iterations", 1) != 0
+
     def train_step(self) -> dict:
         cfg, d = self.cfg, self.dist
-        ids, epoch = self._global_batch()
-        per_rank = len(ids) // d.world
-        local = ids[d.rank * per_rank:(d.rank + 1) * per_rank]  # this process's shard of the global batch
-        micro = np.array_split(local, cfg.grad_accum)
-        batches = [self.make_batch(m, epoch) for m in micro]
         rolled: dict = {}
-        if hasattr(self.objective, "rollout"):  # on-policy tasks (grpo): the model writes the step's examples first
-            with self._autocast():
-                batches, rolled = self.objective.rollout(self.model, batches, step=self.step, seed=cfg.seed,
-                                                         rank=d.rank, world=d.world)
+        if self._reuses_rollout():  # on-policy, several steps a rollout: its batches again (no new prompts read)
+            if self._rollout is None:
+                raise RuntimeError(f"step {self.step + 1} trains on an earlier step's rollout, which is not kept")
+            batches, epoch = self._rollout["batches"], self._rollout["epoch"]
+        else:
+            ids, epoch = self._global_batch()
+            per_rank = len(ids) // d.world
+            local = ids[d.rank * per_rank:(d.rank + 1) * per_rank]  # this process's shard of the global batch
+            micro = np.array_split(local, cfg.grad_accum)
+            batches = [self.make_batch(m, epoch) for m in micro]
+            if hasattr(self.objective, "rollout"):  # on-policy tasks (grpo): the model writes the step's examples
+                with self._autocast():
+                    batches, rolled = self.objective.rollout(self.model, batches, step=self.step, seed=cfg.seed,
+                                                             rank=d.rank, world=d.world)
+                if getattr(self.objective, "iterations", 1) > 1:
+                    self._rollout = {"batches": batches, "epoch": epoch}
         counts = [self.objective.counts(b) for b in batches]
         terms = sorted({k for c in counts for k in c})
         local_totals = torch.tensor([[sum(c.get(k, 0) for c in counts) for k in terms]
@@ -397,6 +411,8 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         rng = all_gather_objects(torch.get_rng_state(), self.dist)
+        # a rollout the next steps still train on goes into the checkpoint, each process's own
+        rollout = all_gather_objects(self._rollout, self.dist) if self._reuses_rollout() else None
         path = None
         callbacks = [cb.state_dict(self.step) for cb in self.callbacks]
         if self.fsdp:  # a callback's copy of sharded weights (keep-best) is saved whole (every process gathers it)
@@ -408,7 +424,8 @@ class Trainer:
                                        position=dict(self.position), rng_states=rng, run_config=self.run_config,
                                        keep_last=self.cfg.keep_last,
                                        callbacks=callbacks, stopped_early=self.stopped_early, scaler=self.scaler,
-                                       sharded=self.module if self.sharded else None, dist=self.dist)
+                                       sharded=self.module if self.sharded else None, dist=self.dist,
+                                       rollout=rollout)
         barrier(self.dist)
         return path or (self.run_dir / "checkpoints" / f"step-{self.step:08d}")
 
@@ -457,6 +474,11 @@ class Trainer:
         for cb, cb_state in zip(self.callbacks, state.get("callbacks") or []):
             cb.load_state_dict(cb_state)
         self.step = int(state["step"])
+        rollouts = state.get("rollout")
+        self._rollout = rollouts[self.dist.rank] if rollouts else None
+        if self._reuses_rollout() and self._rollout is None:
+            raise ConfigError(f"{ckpt} stopped between the steps that train on one rollout and does not hold it "
+                              "(written with another task.num_iterations?): resume with the run's own settings")
         self.position = {k: int(v) for k, v in state["position"].items()}
         self.stopped_early = bool(state.get("stopped_early", False))  # a run that stopped early is finished
         return self.step

@@ -92,12 +92,13 @@ def clean_interrupted(run_dir: str | Path) -> list[str]:
 def save_training_state(run_dir: str | Path, *, step: int, model, objective, optimizer, scheduler, tokenizer,
                         position: dict, rng_states: list, run_config=None, keep_last: int = 2,
                         callbacks: list[dict] | None = None, stopped_early: bool = False, scaler=None,
-                        sharded=None, dist=None) -> Path:
+                        sharded=None, dist=None, rollout: list | None = None) -> Path:
     """Write checkpoint ``step`` atomically and delete all but the newest ``keep_last`` up to it. ``callbacks``:
     each callback's state_dict (its tensors go to callbacks.safetensors, the rest to trainer.pt); ``stopped_early``:
     the run ended here by early stopping (a resume then trains no further); ``scaler``: fp16's loss scaler.
     ``sharded``: the (FSDP) module whose trainable weights and ``optimizer`` state every process writes its slice of;
-    then every process calls this (``dist``), and process 0 writes the rest and commits the folder."""
+    then every process calls this (``dist``), and process 0 writes the rest and commits the folder. ``rollout``:
+    each process's rollout that the next steps train on (see _write_trainer)."""
     path = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
     main = dist is None or dist.is_main
     try:
@@ -105,13 +106,13 @@ def save_training_state(run_dir: str | Path, *, step: int, model, objective, opt
             def rest(tmp: Path) -> None:  # the model's config and tokenizer, so `pretune consolidate` can build it
                 write_config_and_tokenizer(objective.finetunable(model).config, tokenizer, tmp)
                 _write_trainer(tmp, None, scheduler, step, position, rng_states, run_config, stopped_early,
-                               callbacks, scaler, world=len(rng_states))
+                               callbacks, scaler, world=len(rng_states), rollout=rollout)
 
             _write_sharded(path, sharded, optimizer, dist, rest)
         else:
             _write_checkpoint(path, model, objective, trainable_state(objective.finetunable(model)), tokenizer,
                               optimizer, scheduler, step, position, rng_states, run_config, stopped_early, callbacks,
-                              scaler)
+                              scaler, rollout)
     except Exception as e:  # a full disk reads as a RuntimeError from torch's writer: say what it is
         full = disk_full(e, path)
         if full is None:
@@ -140,7 +141,7 @@ _META = {"format": "pt", "library": "pretune"}
 
 
 def _write_checkpoint(path, model, objective, trainable, tokenizer, optimizer, scheduler, step, position, rng_states,
-                      run_config, stopped_early, callbacks, scaler) -> None:
+                      run_config, stopped_early, callbacks, scaler, rollout=None) -> None:
     with atomic_folder(path) as tmp:
         if trainable is None:
             save(objective.finetunable(model), tmp / "model", tokenizer=tokenizer)
@@ -151,13 +152,14 @@ def _write_checkpoint(path, model, objective, trainable, tokenizer, optimizer, s
         if extra:
             save_file(extra, str(tmp / "objective.safetensors"), metadata=_META)
         _write_trainer(tmp, optimizer, scheduler, step, position, rng_states, run_config, stopped_early, callbacks,
-                       scaler)
+                       scaler, rollout=rollout)
 
 
 def _write_trainer(tmp: Path, optimizer, scheduler, step, position, rng_states, run_config, stopped_early, callbacks,
-                   scaler, world: int | None = None) -> None:
+                   scaler, world: int | None = None, rollout: list | None = None) -> None:
     """trainer.pt (+ callbacks.safetensors, run.yaml): everything but the weights. ``optimizer`` None: its state is
-    in sharded/, which ``world`` processes wrote."""
+    in sharded/, which ``world`` processes wrote. ``rollout``: each process's on-policy batches that the steps after
+    this one train on (grpo's task.num_iterations > 1): dicts and lists of tensors, as weights_only reads them."""
     plain, tensors = [], {}
     for i, cb in enumerate(callbacks or []):
         plain.append({k: v for k, v in cb.items() if not isinstance(v, torch.Tensor)})
@@ -172,6 +174,8 @@ def _write_trainer(tmp: Path, optimizer, scheduler, step, position, rng_states, 
         state["scaler"] = scaler.state_dict()
     if world is not None:
         state["sharded"] = world
+    if rollout is not None:
+        state["rollout"] = rollout
     torch.save(state, tmp / "trainer.pt")
     if run_config is not None:
         run_config.save(tmp / "run.yaml")

@@ -128,7 +128,8 @@ def resolved_yaml(cfg: FinetuneConfig) -> str:
 
 
 def _on_policy_train(cfg: FinetuneConfig, task, derived: dict, log) -> FinetuneConfig:
-    """An on-policy task's (grpo's) length and batch: ``train.steps`` optimizer steps (one rollout each) of
+    """An on-policy task's (grpo's) length and batch: ``train.steps`` optimizer steps (a rollout every
+    ``task.num_iterations``) of
     ``train.batch_size`` prompts, each a task default when left to choose; epochs do not apply."""
     tr, tune = cfg.train, cfg.tune
     if tune.epochs not in (defaults.AUTO, 0, 0.0):
@@ -143,9 +144,10 @@ def _on_policy_train(cfg: FinetuneConfig, task, derived: dict, log) -> FinetuneC
                                        f"x task.group_size={task.cfg.group_size} completions each")
     if not tr.steps:
         tr = dataclasses.replace(tr, steps=task.DEFAULT_STEPS)
-        derived["train.steps"] = f"task {task.name}'s default ({task.DEFAULT_STEPS} optimizer steps, one rollout each)"
+        derived["train.steps"] = f"task {task.name}'s default ({task.DEFAULT_STEPS} optimizer steps)"
+    mu = getattr(task, "iterations", 1)
     log(f"task {task.name}: {tr.steps} steps of {tr.batch_size} prompts x {task.cfg.group_size} sampled completions "
-        f"of <= {task.cfg.max_new_tokens} tokens")
+        f"of <= {task.cfg.max_new_tokens} tokens" + (f", each rollout trained on for {mu} steps" if mu > 1 else ""))
     return dataclasses.replace(cfg, train=tr, tune=dataclasses.replace(tune, epochs=defaults.AUTO))
 
 
