@@ -93,6 +93,14 @@ def add_bench_parser(sub) -> None:
          ">= 1.5x faster at <= 0.8x the memory, and the share of pretune's step spent in the reference pass, with "
          "the reference computed at each step (pretune) and precomputed once (pretune-pre, "
          "task.precompute_reference=true)."),
+        ("grpo", "LoRA GRPO step steps/s and peak memory on SmolLM2 vs TRL's GRPOTrainer; the sampling's share",
+         "LoRA r=8 (q_proj, v_proj) GRPO step of SmolLM2-135M-Instruct: 4 two-digit-addition prompts x G 8 completions "
+         "of exactly 64 tokens (EOS forbidden until then on both sides) at temperature 1, exact-match reward, dapo "
+         "loss, beta 0; pretune finetune --task grpo's Trainer step against TRL's GRPOTrainer (transformers "
+         "generation, no vLLM) at the same precision (--precision auto: bf16 where the CPU computes it natively), "
+         "each run in its own process, alternating. Reports steps/s, peak RSS, their ratios and whether pretune is "
+         ">= 2x faster at <= 0.8x the memory, the tokens each side generated and read (checked equal) and the share "
+         "of each step spent sampling."),
         ("distributed", "peak memory per process DDP vs FSDP, and activation checkpointing's memory and time",
          "Under torchrun with 2 processes, a gpt2-medium-sized model's AdamW step with DDP and with FSDP (peak RSS per "
          "process, step time); in one process, a gpt2-sized step at sequence length 1024 with and without activation "
