@@ -403,6 +403,88 @@ def test_few_shot_and_warmup_batch_verdict_rules():
     assert found[1].label == NOT_CONFIRMED and "not measured" in found[1].explanation
 
 
+@pytest.mark.slow  # ~30 s (make test-slow); test_rlvr_verdict_rules_and_table checks its rules by default
+def test_rlvr_fast(tmp_path):
+    from pretune import peft
+    from pretune.experiments import rlvr
+    from pretune.loading import load_pretrained
+
+    t0 = time.time()
+    out = tmp_path / "rl"
+    result = run_experiment("rlvr", out=out, log=lambda *a: None, **FAST)
+    print(f"rlvr fast: {time.time() - t0:.1f} s")
+    _check_outputs(out, "rlvr", rows=2 + 2 * 2, pngs=["sft-bars.png", "grpo-bars.png", "rlvr.png"])
+    assert list(result.results.sweeps) == ["sft", "grpo"]
+    assert {(r["params"]["model.init"].rsplit("/", 1)[-1], r["seed"]) for r in result.results.rows
+            if r["sweep"] == "grpo"} == {("base", 0), ("base", 1), ("sft", 0), ("sft", 1)}
+    # every condition scored on the same test additions with the grpo task's evaluation: zero-shot once, each SFT
+    # model by measure(), the GRPO runs by their own test evaluation
+    zero = json.loads((out / "inputs" / "zero-shot.json").read_text())
+    assert zero["test"]["accuracy"] is not None and zero["model"] == str((out / "inputs" / "model").resolve())
+    for seed in (0, 1):
+        sft = json.loads((out / "sft" / "trials" / f"seed={seed}" / "results.json").read_text())
+        assert sft["task"] == "sft" and sft["heldout"]["accuracy"] is not None
+        # SFT+GRPO of seed S trained on the SFT model of seed S (folded in), and its adapter loads on it
+        adapter = out / "grpo" / "trials" / f"init=sft,seed={seed}" / "model"
+        sft_model = (out / "sft" / "trials" / f"seed={seed}" / "model").resolve()
+        assert json.loads((adapter / "pretune_adapter.json").read_text())["base"]["model"] == str(sft_model)
+        assert load_pretrained(adapter).base == sft_model
+        base_adapter = out / "grpo" / "trials" / f"init=base,seed={seed}" / "model"
+        assert load_pretrained(base_adapter).base == (out / "inputs" / "model").resolve()
+        assert peft.adapter_names(load_pretrained(adapter).model) == ["default"]
+    scores = rlvr.EXPERIMENT.scores(result.results)
+    assert [len(scores[c]) for c in rlvr.CONDITIONS] == [1, 2, 2, 2]
+    for condition in rlvr.CONDITIONS:
+        assert f"| {condition} |" in result.table
+    # the reward curves the figure draws: every step of every GRPO trial
+    for start in ("base", "sft"):
+        curves = rlvr._reward_curves(result.results, start)
+        assert sorted(curves) == [0, 1] and all(sorted(c) == [1, 2] for c in curves.values())
+    assert [f.claim.key for f in result.findings] == [c.key for c in rlvr.EXPERIMENT.claims]
+    # a rerun measures nothing again and rewrites the same report
+    stamp = (out / "inputs" / "zero-shot.json").stat().st_mtime_ns
+    again = run_experiment("rlvr", out=out, log=lambda *a: None, **FAST)
+    assert again.table == result.table and (out / "inputs" / "zero-shot.json").stat().st_mtime_ns == stamp
+
+
+def test_rlvr_verdict_rules_and_table(tmp_path):
+    """rlvr's rules on made-up numbers: GRPO against the one zero-shot value (GRPO's spread alone), SFT+GRPO against
+    SFT and GRPO (pooled spread); the table has the four conditions."""
+    from pretune.experiments import rlvr
+    from pretune.experiments.base import Results
+
+    def results(zero: float, sft: list[float], grpo: list[float], sft_grpo: list[float]) -> Results:
+        (tmp_path / "zero.json").write_text(json.dumps({"test": {"accuracy": zero}, "seconds": 30.0}))
+        links = "/x/inputs/pretrained"
+        sweeps = {
+            "sft": _fake_sweep([{"setting": "base", "params": {}, "seed": s,
+                                 "metrics": {rlvr.HELDOUT: v, "train_seconds": 60.0}} for s, v in enumerate(sft)],
+                               [rlvr.HELDOUT, "train_seconds"]),
+            "grpo": _fake_sweep([{"setting": start, "params": {"model.init": f"{links}/seed${{train.seed}}/{start}"},
+                                  "seed": s, "metrics": {rlvr.TEST: v, "train_seconds": 500.0}}
+                                 for start, vs in (("base", grpo), ("sft", sft_grpo)) for s, v in enumerate(vs)],
+                                [rlvr.TEST, "train_seconds"])}
+        return Results(size="default", sweeps=sweeps, inputs={"zero_shot": str(tmp_path / "zero.json")})
+
+    def labels(*args) -> list[str]:
+        return [f.label for f in rlvr.EXPERIMENT.findings(results(*args))]
+
+    assert labels(0.11, [0.40, 0.45, 0.42], [0.60, 0.66, 0.63], [0.75, 0.78, 0.80]) == [CONFIRMED] * 3
+    # GRPO 0.05 above zero-shot with a spread of 0.05: within 2 x the spread; SFT+GRPO behind SFT, level with GRPO
+    assert labels(0.11, [0.40, 0.45, 0.42], [0.11, 0.16, 0.21], [0.10, 0.25, 0.15]) == [NOT_CONFIRMED] * 3
+    found = rlvr.EXPERIMENT.findings(results(0.11, [0.4] * 3, [0.60, 0.66, 0.63], [0.7] * 3))
+    assert math.isclose(found[0].margin, 0.63 - 0.11) and math.isclose(found[0].spread, statistics.stdev([0.60, 0.66,
+                                                                                                        0.63]))
+    # a condition not measured is not confirmed, and says so
+    missing = rlvr.EXPERIMENT.findings(results(0.11, [], [0.60, 0.66, 0.63], []))
+    assert missing[1].label == NOT_CONFIRMED and "not measured" in missing[1].explanation
+    table = rlvr.EXPERIMENT.table(results(0.11, [0.40, 0.45, 0.42], [0.60, 0.66, 0.63], [0.75, 0.78, 0.80]))
+    for condition, cell in (("zero-shot", "0.11"), ("SFT", "0.423 ± 0.025"), ("GRPO", "0.63 ± 0.03"),
+                            ("SFT+GRPO", "0.777 ± 0.025")):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {condition} |"))
+        assert f"| {cell} |" in row, row
+
+
 # ----------------------------------------------------------------------------------------------
 # every size's sweeps are valid (checked as `pretune sweep --dry-run` would; nothing runs)
 # ----------------------------------------------------------------------------------------------

@@ -180,3 +180,23 @@ def test_training_jobs_start_from_an_adapter_folded_in(base_dir, adapters):
     torch.testing.assert_close(merged(ids).logits, active(ids).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(peft.PeftError, match="only LoRA and \\(IA\\)3 merge"):
         pretune.load(adapters["prefix"], merge=True)
+
+
+def test_an_adapter_trained_from_an_adapter_folder_loads_on_it_folded_in(adapters, tmp_path):
+    """SFT then GRPO from the SFT model (``finetune --model SFT_ADAPTER --peft lora``): the run starts from the first
+    adapter folded into its base and records the first adapter's folder as its base; loading the second adapter
+    folds the first in the same way, so it gives the model the run trained (it used to fail: "already has an
+    adapter named 'default'")."""
+    start = pretune.load(adapters["lora"], merge=True)  # what build_run_model gives the second run
+    peft.inject(start, peft.PeftConfig(method="lora", targets=["q_proj", "v_proj"]), seed=1)
+    with torch.no_grad():
+        for p in peft.adapter_parameters(start, "default").values():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    second = tmp_path / "second"
+    peft.save_adapter(start, second, base=str(adapters["lora"]))
+    loaded = load_pretrained(second)
+    assert loaded.base == adapters["lora"] and peft.adapter_names(loaded.model) == ["default"]
+    ids = torch.randint(3, 100, (2, 7))
+    first_only = pretune.load(adapters["lora"])
+    torch.testing.assert_close(loaded.model(ids).logits, start.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(loaded.model(ids).logits, first_only(ids).logits, atol=1e-3)

@@ -10,7 +10,8 @@ Three kinds of folder, told apart by :func:`folder_kind` (the only place that an
 * ``transformers``: a Hugging Face folder, its ``config.json`` names a ``model_type`` (converted on load);
 * ``adapter``: ``adapter_model.safetensors`` + ``pretune_adapter.json`` or peft's ``adapter_config.json``;
   its base model comes from ``base=`` or from the path the adapter recorded, is loaded the same way
-  (any kind), gets the adapter's task head, and the adapter is loaded into it and made active.
+  (any kind; an adapter folder as the base is merged into its own base, as training from it merged it), gets the
+  adapter's task head, and the adapter is loaded into it and made active.
 
 Every command and job loads through here (finetune, evaluate, predict, embed, generate, prompt, convert,
 peft merge, ``model.init`` of pretraining, the quickstart, the benchmarks), so an adapter folder works
@@ -156,13 +157,15 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
     """
     path = Path(path).expanduser()
     kind = folder_kind(path)
-    base_dir = None
+    base_dir, bases = None, []  # bases: the base's folders, where a tokenizer and its side files are looked for too
     if kind == "adapter":
         from .peft import load_adapter, merged_model, read_meta
 
         base_dir = _adapter_base(path, base)
-        inner = load_pretrained(base_dir, need_tokenizer=False)
-        model = inner.model
+        # a base that is itself an adapter folder (an adapter trained from one: SFT, then GRPO from the SFT model) is
+        # folded in, as build_run_model folded it when the run started: the adapter was trained on those weights
+        inner = load_pretrained(base_dir, need_tokenizer=False, merge=True)
+        model, bases = inner.model, list(inner.folders)
         head = (read_meta(path) or {}).get("head")
         if head and head.get("head") is not None and head.get("head") != "lm":
             model = model.with_head(**{k: head[k] for k in ("head", "num_labels", "labels", "pooling",
@@ -170,7 +173,7 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
         name = load_adapter(model, path)
         if merge:
             model = merged_model(model, name)
-        tok_sources = [tokenizer] if tokenizer else [path, base_dir]
+        tok_sources = [tokenizer] if tokenizer else [path, *bases]
         task = read_task(path) or inner.task
     else:
         model = _model(path, kind)
@@ -178,14 +181,14 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
         task = read_task(path)
     tok = _tokenizer([s for s in tok_sources if s], need_tokenizer or tokenizer is not None, path)
     if tokenizer and tok is not None:
-        own = _tokenizer([path] + ([base_dir] if base_dir else []), False, path)
+        own = _tokenizer([path, *bases], False, path)
         if own is not None:
             _check_same_vocab(tok, own, given=tokenizer, path=path)
     if tok is not None and tok.vocab_size > model.config.vocab_size:
         raise ConfigError(f"the tokenizer of {path} has {tok.vocab_size} tokens but the model's vocabulary has "
                           f"{model.config.vocab_size}: is it the model's own tokenizer?")
     model.to(device=device, dtype=dtype)
-    folders = tuple(Path(f) for f in ([tokenizer] if tokenizer else []) + [path] + ([base_dir] if base_dir else []))
+    folders = tuple(Path(f) for f in ([tokenizer] if tokenizer else []) + [path, *bases])
     return Pretrained(model=model.eval(), tokenizer=tok, task=task, kind=kind, path=path, base=base_dir,
                       folders=folders)
 

@@ -26,6 +26,7 @@ from . import (
     peft_vs_data,
     positions,
     pretrained_vs_scratch,
+    rlvr,
     t5_objectives,
     warmup_batch,
 )
@@ -42,6 +43,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     masking.EXPERIMENT,
     few_shot.EXPERIMENT,
     warmup_batch.EXPERIMENT,
+    rlvr.EXPERIMENT,
 )}
 
 __all__ = ["EXPERIMENTS", "Experiment", "Claim", "Finding", "Results", "Sweep", "ExperimentResult", "run_experiment",
