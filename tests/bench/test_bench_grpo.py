@@ -117,6 +117,20 @@ def test_the_pretune_worker_runs_the_finetuning_trainer_to_full_length(tiny, tmp
     assert res["peak_rss_mb"] > 0 and 0 <= res["reward"] <= 1
 
 
+def test_the_bf16_base_side_stores_the_frozen_weights_in_bf16_and_refuses_fp32(tiny, tmp_path, capsys):
+    """pretune-bf16base (peft.base_dtype=bf16) trains the same adapter on the same tokens under bf16 autocast; asked for
+    with fp32 matmuls, the command says why it cannot before running anything."""
+    from pretune.cli import main
+
+    res = run_worker(Job("pretune-bf16base", "bf16", data_file=str(_prompts_file(tmp_path, 2)),
+                         **{**SETTINGS, "model": str(tiny)}))
+    assert res["completion_tokens"] == [2 * 2 * 5] * 2 and res["trainable"] == 2 * 8 * (32 + 32 + 32 + 16)
+    assert res["precision"] == "bf16"
+    assert main(["bench", "grpo", "--model", str(tiny), "--impls", "pretune-bf16base", "--precision", "fp32",
+                 "--rounds", "1"]) == 2
+    assert "pretune-bf16base stores the frozen base in bf16" in capsys.readouterr().err
+
+
 def test_a_run_times_both_sides_in_their_own_processes_on_the_same_tokens(tiny, tmp_path, capsys):
     """`pretune bench grpo --impls pretune trl` end to end (1 round, 1 step, no warmup): pretune and TRL's GRPOTrainer
     each ran in a process of its own, generated and read the same tokens with one generation per step, trained the
