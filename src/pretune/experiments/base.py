@@ -280,3 +280,28 @@ def realmodel(name: str) -> str:
         return str(finders[name]())
     except FileNotFoundError as e:
         raise ConfigError(f"this experiment needs the real {name} checkpoint: {e}") from None
+
+
+def tiny_decoder(folder: Path, texts, *, vocab_size: int, max_seq_len: int) -> str:
+    """A fast size's model: a tiny random-init Llama-like decoder (seed 0) with a BPE tokenizer of ``vocab_size``
+    trained on ``texts``, made once in ``folder`` (``tokenizer.json``, ``model/``; a rerun reuses them); returns the
+    model folder as text. ``texts`` is called only when the tokenizer is not there yet: pass a function."""
+    tok, model = folder / "tokenizer.json", folder / "model"
+    if not tok.is_file():
+        from ..io.tokenization import train_tokenizer
+
+        train_tokenizer(texts=texts(), kind="bpe", vocab_size=vocab_size, show_progress=False).save(tok)
+    if not (model / "config.json").is_file():
+        import torch
+
+        from ..io.checkpoint import save
+        from ..io.tokenization import Tokenizer
+        from ..model import TransformerLM
+        from ..presets import get_preset
+
+        vocab = Tokenizer.load(tok)
+        torch.manual_seed(0)
+        save(TransformerLM(get_preset("tiny-llama", vocab_size=vocab.vocab_size, max_seq_len=max_seq_len)), model,
+             tokenizer=tok)
+    return str(model.resolve())
+

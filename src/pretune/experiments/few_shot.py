@@ -37,6 +37,7 @@ from .base import (
     fmt_stats,
     realmodel,
     stats,
+    tiny_decoder,
 )
 
 TASK = "tasks/wordnet_supersense"
@@ -346,26 +347,11 @@ def _order_sets(results: Results) -> dict[int, list[float]]:
 def _tiny_model(folder: Path, pool: str) -> str:
     """The fast size's model: a tiny random-init causal LM with a BPE vocabulary of the task's glosses (made once,
     reused by a rerun)."""
-    tok, model = folder / "tokenizer.json", folder / "model"
-    if not tok.is_file():
-        from ..io.tokenization import train_tokenizer
+    def texts():
+        out = [json.loads(line)["text"] for line in open(pool, encoding="utf-8") if line.strip()]
+        return out + ["Definition: Category:", *(w for words in WORDS.values() for w in words.values())]
 
-        texts = [json.loads(line)["text"] for line in open(pool, encoding="utf-8") if line.strip()]
-        texts += ["Definition: Category:", *(w for words in WORDS.values() for w in words.values())]
-        train_tokenizer(texts=texts, kind="bpe", vocab_size=512, show_progress=False).save(tok)
-    if not (model / "config.json").is_file():
-        import torch
-
-        from ..io.checkpoint import save
-        from ..io.tokenization import Tokenizer
-        from ..model import TransformerLM
-        from ..presets import get_preset
-
-        vocab = Tokenizer.load(tok)
-        torch.manual_seed(0)
-        save(TransformerLM(get_preset("tiny-llama", vocab_size=vocab.vocab_size, max_seq_len=1024)), model,
-             tokenizer=tok)
-    return str(model.resolve())
+    return tiny_decoder(folder, texts, vocab_size=512, max_seq_len=1024)
 
 
 EXPERIMENT = FewShot()

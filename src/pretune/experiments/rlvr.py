@@ -41,6 +41,7 @@ from .base import (
     fmt_stats,
     realmodel,
     stats,
+    tiny_decoder,
 )
 from .corpus import downstream_name, link_pretrained, trial_models
 
@@ -381,27 +382,12 @@ def _reward_window(results: Results, start: str, n: int = 10) -> tuple[list[floa
 def _tiny_model(folder: Path, inputs: dict) -> str:
     """The fast size's model: a tiny random-init decoder with a BPE vocabulary of the additions as pretune's default
     chat template renders them (made once, reused by a rerun)."""
-    tok, model = folder / "tokenizer.json", folder / "model"
-    if not tok.is_file():
-        from ..io.tokenization import train_tokenizer
+    def texts():
+        out = [f"User: {json.loads(line)['prompt'][0]['content']}\nAssistant: {json.loads(line)['answer']}"
+               for line in open(inputs["grpo_train"], encoding="utf-8") if line.strip()]
+        return out + [str(i) for i in range(200)]
 
-        texts = [f"User: {json.loads(line)['prompt'][0]['content']}\nAssistant: {json.loads(line)['answer']}"
-                 for line in open(inputs["grpo_train"], encoding="utf-8") if line.strip()]
-        train_tokenizer(texts=texts + [str(i) for i in range(200)], kind="bpe", vocab_size=300,
-                        show_progress=False).save(tok)
-    if not (model / "config.json").is_file():
-        import torch
-
-        from ..io.checkpoint import save
-        from ..io.tokenization import Tokenizer
-        from ..model import TransformerLM
-        from ..presets import get_preset
-
-        vocab = Tokenizer.load(tok)
-        torch.manual_seed(0)
-        save(TransformerLM(get_preset("tiny-llama", vocab_size=vocab.vocab_size, max_seq_len=128)), model,
-             tokenizer=tok)
-    return str(model.resolve())
+    return tiny_decoder(folder, texts, vocab_size=300, max_seq_len=128)
 
 
 EXPERIMENT = Rlvr()
