@@ -49,6 +49,10 @@ def test_trl_is_timed_only_where_it_is_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
     assert available_impls() == ("pretune", "pretune-ac", "peft")
     assert available_impls(("pretune", "peft")) == ("pretune", "peft")
+    from pretune.bench.common import chosen_impls  # what sft, dpo and grpo's run_cli ask
+
+    assert chosen_impls(None, ("pretune", "trl-pre", "trl"), bench="dpo", trainer="DPOTrainer") == ("pretune",)
+    assert chosen_impls(["pretune", "trl"], ("pretune", "trl"), bench="dpo", trainer="DPOTrainer") is None
 
 
 def test_format_rows_reports_ratios_and_target():

@@ -28,6 +28,28 @@ def add_run_arguments(p, *, threads: str = "every core") -> None:
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
+def without_missing_trl(impls) -> tuple[str, ...]:
+    """``impls`` less TRL's sides (``trl``, ``trl-...``) when TRL is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return tuple(i for i in impls if not i.startswith("trl"))
+    return tuple(impls)
+
+
+def chosen_impls(requested, default, *, bench: str, trainer: str) -> tuple[str, ...] | None:
+    """The sides a TRL benchmark times: those asked for (``--impls``), else ``default`` less TRL's when it is not
+    installed (said on stderr); None after an error message when a TRL side is asked for without TRL."""
+    impls = tuple(requested) if requested else without_missing_trl(default)
+    if without_missing_trl(impls) != impls:
+        print(f"pretune bench {bench}: --impls trl needs TRL: pip install 'pretune[trl]'", file=sys.stderr)
+        return None
+    if requested is None and "trl" not in impls:
+        print(f"pretune bench {bench}: TRL is not installed, so its {trainer} is not timed (pip install "
+              "'pretune[trl]')", file=sys.stderr)
+    return impls
+
+
 def report(rows: list[dict], table: str, json_path: str | None) -> int:
     """Print a benchmark's table and, with ``json_path``, write its rows as JSON (every ``bench`` command)."""
     print(table)

@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .common import add_run_arguments, spawn_worker
+from .common import add_run_arguments, chosen_impls, spawn_worker
 
 IMPLS = ("pretune", "pretune-pre", "pretune-ac", "trl", "trl-pre")
 DEFAULT_IMPLS = ("pretune", "pretune-pre", "trl")
@@ -264,15 +264,6 @@ def _trl_worker(job: Job, folder, pairs: list[dict]) -> dict:
             "threads": torch.get_num_threads(), "trl_version": trl.__version__}
 
 
-def available_impls(impls=DEFAULT_IMPLS) -> tuple[str, ...]:
-    """``impls`` less TRL's sides when TRL is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        return tuple(i for i in impls if not i.startswith("trl"))
-    return tuple(impls)
-
-
 def bench_dpo(*, dtypes=("fp32",), rounds: int = 3, impls=DEFAULT_IMPLS, **job_kw) -> list[dict]:
     """Time every side of ``impls`` for ``rounds`` alternating rounds per precision of ``dtypes``; one row per
     precision with each side's median pairs/s, its runs, peak RSS, first loss, tokens and (pretune sides) the
@@ -392,13 +383,9 @@ def add_arguments(p) -> None:
 
 
 def run_cli(args) -> int:
-    impls = tuple(args.impls) if args.impls else available_impls()
-    if available_impls(impls) != impls:
-        print("pretune bench dpo: --impls trl needs TRL: pip install 'pretune[trl]'", file=sys.stderr)
+    impls = chosen_impls(args.impls, DEFAULT_IMPLS, bench="dpo", trainer="DPOTrainer")
+    if impls is None:
         return 2
-    if args.impls is None and "trl" not in impls:
-        print("pretune bench dpo: TRL is not installed, so its DPOTrainer is not timed (pip install 'pretune[trl]')",
-              file=sys.stderr)
     rows = bench_dpo(dtypes=tuple(args.precision), rounds=args.rounds, impls=impls, batch=args.batch, seq=args.seq,
                      r=args.r, beta=args.beta, steps=args.steps, warmup=args.warmup, threads=args.threads,
                      model=args.model)

@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .common import add_run_arguments, spawn_worker
+from .common import add_run_arguments, chosen_impls, spawn_worker
 
 IMPLS = ("pretune", "pretune-ac", "pretune-bf16base", "trl")
 DEFAULT_IMPLS = ("pretune", "trl")
@@ -268,15 +268,6 @@ def _trl_worker(job: Job, folder) -> dict:
             "threads": torch.get_num_threads(), "trl_version": trl.__version__}
 
 
-def available_impls(impls=DEFAULT_IMPLS) -> tuple[str, ...]:
-    """``impls`` less TRL's side when TRL is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        return tuple(i for i in impls if not i.startswith("trl"))
-    return tuple(impls)
-
-
 def resolve_dtypes(dtypes) -> tuple[str, ...]:
     """``auto`` -> what ``pretune finetune`` picks on this CPU (bf16 with native bf16, else fp32); duplicates once."""
     from ..train.precision import resolve_precision
@@ -422,13 +413,9 @@ def add_arguments(p) -> None:
 
 
 def run_cli(args) -> int:
-    impls = tuple(args.impls) if args.impls else available_impls()
-    if available_impls(impls) != impls:
-        print("pretune bench grpo: --impls trl needs TRL: pip install 'pretune[trl]'", file=sys.stderr)
+    impls = chosen_impls(args.impls, DEFAULT_IMPLS, bench="grpo", trainer="GRPOTrainer")
+    if impls is None:
         return 2
-    if args.impls is None and "trl" not in impls:
-        print("pretune bench grpo: TRL is not installed, so its GRPOTrainer is not timed (pip install 'pretune[trl]')",
-              file=sys.stderr)
     try:
         rows = bench_grpo(dtypes=tuple(args.precision), rounds=args.rounds, impls=impls, prompts=args.prompts,
                           group=args.group, new_tokens=args.new_tokens, r=args.r, steps=args.steps,

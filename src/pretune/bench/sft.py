@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .common import add_run_arguments, spawn_worker
+from .common import add_run_arguments, chosen_impls, spawn_worker, without_missing_trl
 
 IMPLS = ("pretune", "pretune-ac", "peft", "trl")
 TARGET_SPEED = 1.5  # pretune tokens/s at least this many times peft's
@@ -242,12 +242,8 @@ def _eval_worker(job: Job, folder) -> dict:
 
 
 def available_impls(impls=IMPLS) -> tuple[str, ...]:
-    """``impls`` less TRL when it is not installed and was not asked for by name (then it is an error)."""
-    import importlib.util
-
-    if "trl" in impls and importlib.util.find_spec("trl") is None:
-        return tuple(i for i in impls if i != "trl")
-    return tuple(impls)
+    """``impls`` less TRL when it is not installed."""
+    return without_missing_trl(impls)
 
 
 def bench_sft(*, dtypes=("fp32", "bf16"), rounds: int = 3, eval_records: int = 0, impls=IMPLS,
@@ -339,13 +335,9 @@ def add_arguments(p) -> None:
 
 
 def run_cli(args) -> int:
-    impls = tuple(args.impls) if args.impls else available_impls()
-    if "trl" in impls and available_impls(impls) != impls:
-        print("pretune bench sft: --impls trl needs TRL: pip install 'pretune[trl]'", file=sys.stderr)
+    impls = chosen_impls(args.impls, IMPLS, bench="sft", trainer="SFTTrainer")
+    if impls is None:
         return 2
-    if args.impls is None and "trl" not in impls:
-        print("pretune bench sft: TRL is not installed, so its SFTTrainer is not timed (pip install 'pretune[trl]')",
-              file=sys.stderr)
     rows = bench_sft(dtypes=tuple(args.dtypes), rounds=args.rounds, eval_records=args.eval, impls=impls,
                      batch=args.batch, seq=args.seq, r=args.r, steps=args.steps, warmup=args.warmup,
                      threads=args.threads)
