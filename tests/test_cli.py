@@ -63,7 +63,7 @@ def test_convert_round_trip(tmp_path, capsys):
 
 def test_convert_needs_exactly_one_direction(tmp_path, capsys):
     assert main(["convert", "--out", str(tmp_path / "x")]) == 2
-    assert "exactly one of --from-hf DIR or --to-hf DIR" in capsys.readouterr().err
+    assert "exactly one of --from-hf DIR, --to-hf DIR, --from-gguf FILE or --to-gguf MODEL" in capsys.readouterr().err
 
 
 def test_convert_of_a_config_without_hf_equivalent_is_a_clear_error(tmp_path, capsys):

@@ -8,6 +8,8 @@ Three kinds of folder, told apart by :func:`folder_kind` (the only place that an
 
 * ``pretune``: ``config.json`` (pretune's keys) + ``model.safetensors`` [+ ``tokenizer.json``, ``task.json``];
 * ``transformers``: a Hugging Face folder, its ``config.json`` names a ``model_type`` (converted on load);
+* ``gguf``: a GGUF file (llama.cpp's format) of an architecture ``pretune.interop.gguf`` reads, its tokenizer
+  inside (de-quantised to fp32 when its tensors are quantised);
 * ``adapter``: ``adapter_model.safetensors`` + ``pretune_adapter.json`` or peft's ``adapter_config.json``;
   its base model comes from ``base=`` or from the path the adapter recorded, is loaded the same way
   (any kind; an adapter folder as the base is merged into its own base, as training from it merged it), gets the
@@ -32,7 +34,7 @@ import torch
 from .config import ConfigError
 from .io.checkpoint import CONFIG_NAME, TASK_FILE, CheckpointError
 
-FolderKind = Literal["pretune", "transformers", "adapter"]
+FolderKind = Literal["pretune", "transformers", "adapter", "gguf"]
 
 __all__ = ["Pretrained", "folder_kind", "load_pretrained", "load", "read_task", "build_run_model", "TASK_FILE"]
 
@@ -51,14 +53,17 @@ class Pretrained:
 
 
 def folder_kind(path: str | os.PathLike) -> FolderKind:
-    """Whether ``path`` is a pretune checkpoint, a transformers folder or an adapter folder; an error naming the
-    folder and what it lacks otherwise."""
+    """Whether ``path`` is a pretune checkpoint, a transformers folder, an adapter folder or a GGUF file; an error
+    naming the folder and what it lacks otherwise."""
+    from .interop.gguf import is_gguf
     from .peft.files import is_adapter_folder
 
     p = Path(path)
-    expected = "expected a pretune checkpoint, a Hugging Face model folder or an adapter folder"
+    expected = "expected a pretune checkpoint, a Hugging Face model folder, an adapter folder or a GGUF file"
     if not p.exists():
         raise CheckpointError(f"{p}: not a checkpoint folder: it does not exist ({expected})")
+    if is_gguf(p):
+        return "gguf"
     if not p.is_dir():
         raise CheckpointError(f"{p}: not a checkpoint folder but a file ({expected})")
     if is_adapter_folder(p):
@@ -147,7 +152,7 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
     """Load any model folder (see the module docstring).
 
     Args:
-        path: a pretune checkpoint, a Hugging Face ``transformers`` folder, or an adapter folder.
+        path: a pretune checkpoint, a Hugging Face ``transformers`` folder, an adapter folder or a GGUF file.
         base: an adapter folder's base model (default: the path the adapter recorded).
         tokenizer: a tokenizer.json (or folder holding one) to use instead of the folder's own.
         need_tokenizer: raise when no tokenizer is found (False: ``tokenizer`` is then None).
@@ -175,11 +180,19 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
             model = merged_model(model, name)
         tok_sources = [tokenizer] if tokenizer else [path, *bases]
         task = read_task(path) or inner.task
+    elif kind == "gguf":  # the tokenizer is inside the file
+        from .interop.gguf import read_gguf
+
+        model, own_tok = read_gguf(path, tokenizer=need_tokenizer and not tokenizer)
+        tok_sources, task = [tokenizer] if tokenizer else [], None
     else:
         model = _model(path, kind)
         tok_sources = [tokenizer] if tokenizer else [path]
         task = read_task(path)
-    tok = _tokenizer([s for s in tok_sources if s], need_tokenizer or tokenizer is not None, path)
+    if kind == "gguf" and not tokenizer:
+        tok = own_tok
+    else:
+        tok = _tokenizer([s for s in tok_sources if s], need_tokenizer or tokenizer is not None, path)
     if tokenizer and tok is not None:
         own = _tokenizer([path, *bases], False, path)
         if own is not None:

@@ -22,14 +22,27 @@ def add_model_parsers(sub) -> None:
     s = sub.add_parser("presets", help="list the named model presets")
     s.set_defaults(func=lambda a: print("\n".join(__import__("pretune").preset_names())) or 0)
 
-    s = sub.add_parser("convert", help="import from / export to Hugging Face transformers folders",
+    s = sub.add_parser("convert", help="import from / export to Hugging Face transformers folders and GGUF files",
                        description="Convert between pretune checkpoints and Hugging Face transformers folders of "
-                       "the families below. Outputs are written atomically.",
+                       "the families below, or write / read GGUF files (llama.cpp, Ollama) of the decoder families "
+                       "llama.cpp runs (llama, mistral, qwen2, qwen3, gemma, gemma2, gpt2). Outputs are written "
+                       "atomically.",
                        epilog=f"families (the model_type of config.json):\n{catalog.listing(catalog.FAMILIES)}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--from-hf", metavar="DIR", help="Hugging Face folder to import")
     s.add_argument("--to-hf", metavar="DIR", help="pretune checkpoint folder to export")
-    s.add_argument("--out", metavar="DIR", required=True, help="destination folder (new or empty)")
+    s.add_argument("--from-gguf", metavar="FILE", help="GGUF file to import (quantised tensors are de-quantised)")
+    s.add_argument("--to-gguf", metavar="MODEL", help="any model folder (pretune, Hugging Face, adapter) or GGUF file "
+                   "to write as one GGUF file with its tokenizer and chat template; an adapter folder writes a GGUF "
+                   "LoRA (llama.cpp --lora) unless --merged")
+    s.add_argument("--out", metavar="DIR", required=True, help="destination folder (new or empty); with --to-gguf "
+                   "the .gguf file (an existing one is replaced only with --overwrite)")
+    s.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"], default="f32",
+                   help="--to-gguf: the tensors' type, llama.cpp's names (norms stay f32; default f32)")
+    s.add_argument("--base", metavar="DIR", help="--to-gguf of an adapter folder: its base model (default: the one "
+                   "it recorded)")
+    s.add_argument("--merged", action="store_true", help="--to-gguf of an adapter folder: write its base with the "
+                   "adapter folded in, as one model, instead of a GGUF LoRA")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: pretune's earlier output "
                    "there is replaced, anything else in it stays untouched")
     s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
@@ -58,7 +71,7 @@ def _load_any(spec: str):
 
     if spec in PRESETS:
         return get_preset(spec), None
-    if Path(spec).is_dir():
+    if Path(spec).is_dir() or Path(spec).is_file():  # a folder, or a GGUF file
         model = load(spec)
         return model.config, model
     from ..config import ConfigError, _did_you_mean
@@ -157,11 +170,26 @@ def cmd_convert(args) -> int:
     from ..io.outputs import check_folder
     from ..loading import folder_kind, load
 
-    if bool(args.from_hf) == bool(args.to_hf):
+    given = [flag for flag in ("from_hf", "to_hf", "from_gguf", "to_gguf") if getattr(args, flag)]
+    if len(given) != 1:
         from ..config import ConfigError
 
-        raise ConfigError("give exactly one of --from-hf DIR or --to-hf DIR (got neither or both)")
+        raise ConfigError("give exactly one of --from-hf DIR, --to-hf DIR, --from-gguf FILE or --to-gguf MODEL (got "
+                          f"{', '.join('--' + g.replace('_', '-') for g in given) or 'none'})")
+    if args.to_gguf:
+        from ..jobs.gguf import export_gguf
+
+        out, what = export_gguf(args.to_gguf, args.out, type=args.type, base=args.base, merged=args.merged,
+                                overwrite=args.overwrite)
+        print(f"exported {args.to_gguf} -> {out}: {what}")
+        return 0
     check_folder(args.out, overwrite=args.overwrite)
+    if args.from_gguf:
+        from ..jobs.gguf import import_gguf
+
+        out = import_gguf(args.from_gguf, args.out)
+        print(f"imported {args.from_gguf} -> {out}")
+        return 0
     if args.from_hf:
         src = Path(args.from_hf)
         kind = folder_kind(src)

@@ -1,0 +1,148 @@
+"""A tokenizer in a GGUF file's ``tokenizer.*`` keys, both ways: llama.cpp's "gpt2" (byte-level BPE) model.
+
+What llama.cpp can run is a byte-level BPE whose pre-tokenizer it knows by name (``tokenizer.ggml.pre``): GPT-2's
+regex alone (``pretune tokenizer train --kind bpe``: "gpt-2") or digits split one by one before it (SmolLM2,
+StarCoder: "smollm"). It has no normaliser, so a tokenizer that lowercases or NFKC-normalises (``--lowercase``, the
+Unigram and WordPiece recipes) is refused by name rather than written into a file whose ids would differ from
+pretune's. Tokens are written by id (ids the model has beyond the tokenizer's as ``[PADn]`` of type UNUSED, as
+llama.cpp's converter pads them), added special tokens as CONTROL, other added tokens as USER_DEFINED; no BOS or EOS
+is added when llama.cpp tokenizes (pretune's ``encode`` adds none either).
+"""
+
+from __future__ import annotations
+
+import json
+
+from .tokenization import Tokenizer, TokenizerError
+
+__all__ = ["GGUFTokenizerError", "tokenizer_keys", "write_tokenizer", "read_tokenizer"]
+
+# tokenizer.json's pre-tokenizer -> llama.cpp's name for it (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_*)
+_GPT2_BYTELEVEL = {"type": "ByteLevel", "use_regex": True, "add_prefix_space": False}
+_DIGITS = {"type": "Digits", "individual_digits": True}
+_PRE_NAMES = ("gpt-2", "smollm", "starcoder")  # what read_tokenizer rebuilds ("starcoder": smollm's regex)
+
+# gguf.TokenType values (llama.h: LLAMA_TOKEN_TYPE_*)
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+
+
+class GGUFTokenizerError(TokenizerError):
+    """A tokenizer llama.cpp cannot run the same way, or a GGUF file's tokenizer keys pretune cannot rebuild."""
+
+
+def _subset(step: dict, want: dict) -> bool:
+    return all(step.get(k, v if k == "add_prefix_space" else None) == v for k, v in want.items())
+
+
+def _pre_name(data: dict) -> str:
+    """llama.cpp's pre-tokenizer name for a tokenizer.json (raises naming what it is when llama.cpp has none)."""
+    model = data["model"]["type"]
+    if model != "BPE":
+        raise GGUFTokenizerError(f"a {model} tokenizer is not written into GGUF: llama.cpp runs pretune's byte-level "
+                                 "BPE tokenizers (pretune tokenizer train --kind bpe) and SmolLM2's; a Unigram one "
+                                 "would need NFKC normalisation, which llama.cpp lacks")
+    if data.get("normalizer") is not None:
+        raise GGUFTokenizerError(f"the tokenizer has a normaliser ({data['normalizer'].get('type')}, e.g. "
+                                 "--lowercase), which llama.cpp's BPE tokenizer does not apply: its ids would differ")
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and _subset(steps[0], _GPT2_BYTELEVEL):
+        return "gpt-2"
+    if len(steps) == 2 and _subset(steps[0], _DIGITS) and _subset(steps[1], _GPT2_BYTELEVEL):
+        return "smollm"
+    raise GGUFTokenizerError(f"pre-tokenizer {json.dumps(pre)} has no llama.cpp equivalent (known: GPT-2's "
+                             "ByteLevel regex, or single digits then ByteLevel as SmolLM2's)")
+
+
+def _merges(model: dict) -> list[str]:
+    return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+
+def tokenizer_keys(tok: Tokenizer, vocab_size: int) -> dict:
+    """What a GGUF file holds of ``tok`` (tokens, types, merges, pre-tokenizer, special ids, chat template) for a
+    model with ``vocab_size`` ids; raises GGUFTokenizerError naming why llama.cpp would tokenize differently."""
+    data = tok._parsed()
+    pre = _pre_name(data)
+    if data["model"].get("byte_fallback"):
+        raise GGUFTokenizerError("a byte-fallback BPE (<0xNN> tokens) is a SentencePiece tokenizer, not byte-level")
+    if tok.vocab_size > vocab_size:
+        raise GGUFTokenizerError(f"the tokenizer has {tok.vocab_size} tokens, the model {vocab_size} ids")
+    added = tok.tk.get_added_tokens_decoder()
+    by_id = {i: t for t, i in tok.tk.get_vocab(with_added_tokens=True).items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(_UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(_CONTROL if added[i].special else _USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(_NORMAL)
+    ids = {role: getattr(tok, f"{role}_id") for role in ("bos", "eos", "unk", "pad")}
+    return {"pre": pre, "tokens": tokens, "types": types, "merges": _merges(data["model"]),
+            "ids": {k: v for k, v in ids.items() if v is not None}, "chat_template": tok.chat_template}
+
+
+def write_tokenizer(writer, tok: Tokenizer, vocab_size: int) -> None:
+    """Add ``tok``'s keys (:func:`tokenizer_keys`) to a ``gguf.GGUFWriter``."""
+    keys = tokenizer_keys(tok, vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(keys["pre"])
+    writer.add_token_list(keys["tokens"])
+    writer.add_token_types(keys["types"])
+    writer.add_token_merges(keys["merges"])
+    for role, i in keys["ids"].items():
+        getattr(writer, {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "unk": "add_unk_token_id",
+                         "pad": "add_pad_token_id"}[role])(i)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    if keys["chat_template"]:
+        writer.add_chat_template(keys["chat_template"])
+
+
+def _value(fields: dict, key: str, default=None):
+    field = fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_tokenizer(fields: dict, *, source: str) -> Tokenizer:
+    """The tokenizer a GGUF file holds (``GGUFReader.fields``): llama.cpp's "gpt2" model with a pre-tokenizer named in
+    ``_PRE_NAMES``; anything else raises GGUFTokenizerError naming it and ``source`` (the file)."""
+    import tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    kind, pre = _value(fields, "tokenizer.ggml.model"), _value(fields, "tokenizer.ggml.pre", "default")
+    if kind is None:
+        raise GGUFTokenizerError(f"{source}: no tokenizer in the file (no tokenizer.ggml.model key)")
+    if kind != "gpt2" or pre not in _PRE_NAMES:
+        raise GGUFTokenizerError(f"{source}: tokenizer model {kind!r} with pre-tokenizer {pre!r} is not read (pretune "
+                                 f"reads llama.cpp's byte-level 'gpt2' model with pre-tokenizer "
+                                 f"{', '.join(map(repr, _PRE_NAMES))})")
+    tokens = _value(fields, "tokenizer.ggml.tokens")
+    types = _value(fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _value(fields, "tokenizer.ggml.merges", [])]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.tokens repeats a token ({len(tokens) - len(vocab)} "
+                                 "repeats)")
+    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.pre_tokenizer = byte_level if pre == "gpt-2" else pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    tk.decoder = decoders.ByteLevel()
+    # control and user-defined tokens are matched in the text before BPE, at the ids they already have in the vocab
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for i, t in enumerate(tokens) if types[i] == _CONTROL])
+    tk.add_tokens([AddedToken(t, normalized=False) for i, t in enumerate(tokens) if types[i] == _USER_DEFINED])
+    roles = {}
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
+                      ("pad", "padding_token_id")):
+        i = _value(fields, f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= int(i) < len(tokens):
+            roles[role] = tokens[int(i)]
+    tok = Tokenizer(tk, roles=roles)
+    tok.chat_template = _value(fields, "tokenizer.chat_template")
+    return tok
