@@ -229,6 +229,24 @@ def test_top_k_1_and_tiny_top_p_are_greedy(pair):
     assert torch.equal(generate(ours, ids, mask, max_new_tokens=NEW, do_sample=True, top_p=1e-6, seed=0), greedy)
 
 
+def test_a_draw_follows_the_probabilities_and_never_takes_a_token_of_probability_zero(monkeypatch):
+    """Sampling's draw (inverse CDF): token frequencies over many draws match the probabilities (rows of different
+    totals, as after top-k), zero-probability tokens never come out, and a uniform that rounds up to the row's total
+    still lands on the last token that has probability."""
+    from pretune.generation.decode import _draw
+
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.25, 0.0, 0.0, 0.25]])  # (the second sums to 0.5)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(2, 5)
+    for _ in range(4000):
+        counts.scatter_add_(1, _draw(probs, g)[:, None], torch.ones(2, 1))
+    freq = counts / 4000
+    torch.testing.assert_close(freq, probs / probs.sum(-1, keepdim=True), atol=0.03, rtol=0)
+    assert counts[probs == 0].sum() == 0
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))  # u = 1
+    assert _draw(probs, None).tolist() == [3, 4]
+
+
 def test_min_new_tokens_forbids_eos(pair):
     ours = pair["gpt2"][1]
     ids, mask = _batch("gpt2")

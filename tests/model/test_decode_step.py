@@ -300,6 +300,31 @@ def test_flat_step_is_bitwise_the_forward_in_bf16(family, precision):
     _assert_steps_bitwise(model, steps=5, autocast=precision == "bf16-autocast", dtype=torch.bfloat16)
 
 
+def test_under_autocast_the_flat_step_casts_the_plain_weights_once_per_generation(monkeypatch):
+    """Under bf16 autocast the output projections, FFNs and LM head are cast once for the generation (autocast
+    would cast the fp32 weights every step), and every step's products run on those bf16 copies."""
+    model = perturbed(tiny())
+    flat = FlatDecoder.of(model)
+    seen = []
+    real = decode_step.F.linear
+    monkeypatch.setattr(decode_step.F, "linear", lambda x, w, b=None: seen.append(w) or real(x, w, b))
+    casts = []
+    monkeypatch.setattr(flat, "_plain_weights", lambda c, real=flat._plain_weights: casts.append(c) or real(c))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = KVCache()
+        model(ids(2, 4), past_key_values=cache, use_cache=True)
+        for _ in range(3):
+            flat.step(ids(2, 1), cache)
+    layers, head = flat._casts[torch.bfloat16]
+    assert casts == [torch.bfloat16] * 3 and list(flat._casts) == [torch.bfloat16]  # built once, reused
+    cached = {id(t) for layer in layers for t in layer if t is not None} | {id(head[0])}
+    assert all(t.dtype == torch.bfloat16 for layer in layers for t in layer if t is not None)
+    assert head[0].dtype == torch.bfloat16 and model.head.weight.dtype == torch.float32
+    # per step: o, FFN up and down per layer and the head from the cache (q/k/v: the stacked weights' own cache)
+    per_step = [w for w in seen if id(w) in cached]
+    assert len(per_step) == 3 * (3 * len(layers) + 1)
+
+
 def test_flat_step_takes_one_token_after_the_prompt():
     model = perturbed(tiny())
     flat = FlatDecoder.of(model)

@@ -288,6 +288,20 @@ class StopStrings:
 # ---------------------------------------------------------------------------------------------
 # greedy and sampling
 # ---------------------------------------------------------------------------------------------
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V) drawn with its probability: the first token whose cumulative
+    probability passes a uniform draw scaled to the row's total (inverse-CDF sampling). ``torch.multinomial`` draws
+    one exponential variate per vocabulary entry for this (its without-replacement path): measured on 2 cores of an
+    AMD EPYC, 24 ms for 32 rows of SmolLM2's 49152 tokens against 2.5 ms for the cumulative sum and search, one
+    uniform per row. A token of probability 0 (cut by top-k / top-p, or a forbidden EOS) is never drawn: the search
+    takes the first cumulative sum strictly above the draw, and the draw stays strictly below the row's total."""
+    cdf = probs.float().cumsum(-1)  # (B, V), non-decreasing (in fp32 at least)
+    total = cdf[:, -1:]
+    draw = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype) * total
+    draw = torch.minimum(draw, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
+    return torch.searchsorted(cdf, draw, right=True)[:, 0]
+
+
 def _sample(runner: Runner, logits: torch.Tensor, scorer: Scorer, *, max_new_tokens: int, do_sample: bool,
             eos: list[int], pad: int, stop: StopStrings | None, streamer, generator) -> torch.Tensor:
     B = runner.ids.shape[0]
@@ -297,7 +311,7 @@ def _sample(runner: Runner, logits: torch.Tensor, scorer: Scorer, *, max_new_tok
     for step in range(max_new_tokens):
         scores = scorer(logits, step)
         if do_sample:
-            nxt = torch.multinomial(scores.softmax(-1), 1, generator=generator)[:, 0]
+            nxt = _draw(scores.softmax(-1), generator)
         else:
             nxt = scores.argmax(-1)
         if track:

@@ -110,15 +110,17 @@ class Attention(nn.Module):
             k, v, mask, is_causal = self.extra_kv(k, v, mask, is_causal, q.shape[2])
         if mask is not None and mask.dtype != q.dtype:
             mask = cast_mask(mask, q.dtype)
-        if self.softcap is not None or (self.training and self.dropout > 0):
-            out = self._attend_eager(q, k, v, mask, is_causal)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            )  # (B, H, T, Dh)
+        out = self.attend(q, k, v, mask, is_causal)  # (B, H, T, Dh)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.dh)  # (B, T, H*Dh)
         return self.o_proj(out)
+
+    def attend(self, q, k, v, mask, is_causal):
+        """softmax(q k^T * scale + mask) v for q (B, H, T, Dh) and k, v (B, Hkv, S, Dh) (the seam where the fast
+        wing takes another kernel): SDPA, or the eager path where SDPA cannot (soft-capping, dropout)."""
+        if self.softcap is not None or (self.training and self.dropout > 0):
+            return self._attend_eager(q, k, v, mask, is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
 
     def _attend_eager(self, q, k, v, mask, is_causal):
         """softmax(softcap(QK^T * scale) + mask) with dropout on the probabilities (when training), then V: what
