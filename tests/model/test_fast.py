@@ -505,3 +505,108 @@ def test_the_flat_step_understands_every_attribute_of_the_modules_it_reads():
                 seen[name] |= {k for k in vars(m) if not k.startswith("_") and k != "training"} | set(m._modules)
     for name, attrs in seen.items():
         assert attrs <= FLAT_STEP_UNDERSTANDS[name], f"{name}: {sorted(attrs - FLAT_STEP_UNDERSTANDS[name])}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_heads", [None, 1, 6])
+def test_one_query_attention_is_sdpa_up_to_rounding(dtype, mask_heads):
+    """The one-query kernel (a decoding step in bf16) computes SDPA's attention: grouped query heads, additive masks
+    per row or per head with hidden keys, no mask; in fp32 to ~1e-6, in bf16 no further from an fp32 reference than
+    SDPA's own bf16 kernel is (x2)."""
+    import torch.nn.functional as F
+
+    from pretune.model.fast.attention import attend_one_query
+
+    torch.manual_seed(0)
+    B, H, Hkv, S, dh = 3, 6, 2, 9, 8
+    q, k, v = torch.randn(B, H, 1, dh), torch.randn(B, Hkv, S, dh), torch.randn(B, Hkv, S, dh)
+    mask = None
+    if mask_heads is not None:
+        mask = torch.randn(B, mask_heads, 1, S)
+        mask[0, ..., :4] = torch.finfo(dtype).min  # left padding of the first row
+    want = F.scaled_dot_product_attention(q, k, v, mask, scale=0.3, enable_gqa=True)
+    cast = [t.to(dtype) if t is not None else None for t in (q, k, v, mask)]
+    got = attend_one_query(*cast, scale=0.3)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:
+        sdpa = F.scaled_dot_product_attention(*cast, scale=0.3, enable_gqa=True)
+        assert (got.float() - want).abs().max() <= 2 * (sdpa.float() - want).abs().max() + 1e-3
+
+
+def test_a_bf16_decoding_step_attends_with_the_one_query_kernel(monkeypatch):
+    """Under bf16 autocast a cached decoding step (one query) goes through the one-query kernel, in the forward and
+    in the flat step alike; the prompt (many queries) and fp32 steps go through SDPA."""
+    import pretune.model.fast.attention as fast_attention
+
+    calls = []
+    real = fast_attention.attend_one_query
+    monkeypatch.setattr(fast_attention, "attend_one_query", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    from decoder_fixtures import perturbed
+    from test_decode_step import tiny
+
+    model = perturbed(tiny(n_layers=2))
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    for autocast in (False, True):
+        calls.clear()
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+        # two decoding steps after the prompt, two layers each
+        assert calls == ([(2, 4, 1, 8)] * 4 if autocast else [])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_token_logprobs_equal_the_heads_logits_values_and_gradients(bias):
+    """The fast head's per-token log-probabilities (row chunks, logits computed again in the backward) equal the
+    reference's log-softmax of the full logits at a temperature: values, and gradients to h and to a trainable
+    head weight for an arbitrary upstream gradient; under bf16 autocast as close as the reference's own bf16."""
+    from pretune.model.fast.fused_ce import fused_linear_token_logprobs
+
+    torch.manual_seed(0)
+    N, d, V = 37, 16, 50
+    h = torch.randn(N, d, requires_grad=True)
+    w = torch.randn(V, d, requires_grad=True)
+    b = torch.randn(V) if bias else None
+    t = torch.randint(0, V, (N,))
+    up = torch.randn(N)
+
+    def reference():
+        z = (torch.nn.functional.linear(h, w, b).float()) / 0.7
+        return z.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(z, 1)
+
+    want = reference()
+    gh, gw = torch.autograd.grad((want * up).sum(), (h, w))
+    got = fused_linear_token_logprobs(h, w, t, temperature=0.7, chunk=8, bias=b)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    fh, fw = torch.autograd.grad((got * up).sum(), (h, w))
+    torch.testing.assert_close(fh, gh, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fw, gw, atol=1e-5, rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref16, got16 = reference(), fused_linear_token_logprobs(h, w, t, temperature=0.7, chunk=8, bias=b)
+        assert got16.dtype == torch.float32
+        assert (got16 - want).abs().max() <= 2 * (ref16 - want).abs().max() + 1e-3
+        f16 = torch.autograd.grad((got16 * up).sum(), h)[0]
+        assert f16.dtype == torch.float32 and (f16 - gh).abs().max() < 0.05 * gh.abs().max()
+
+
+def test_a_frozen_head_gives_no_weight_gradient_and_the_fast_head_takes_the_chunks(monkeypatch):
+    """LoRA's frozen tied head: only h gets a gradient; FastLMHead.token_logprobs goes through the chunked
+    function (the reference's LMHead through its full logits)."""
+    from decoder_fixtures import perturbed
+    from test_decode_step import tiny
+
+    import pretune.model.fast.fused_ce as fused_ce
+
+    model = perturbed(tiny())
+    calls = []
+    real = fused_ce._FusedLinearTokenLogprobs.apply
+    monkeypatch.setattr(fused_ce._FusedLinearTokenLogprobs, "apply", lambda *a: calls.append(1) or real(*a))
+    model.head.weight.requires_grad_(False)
+    h = torch.randn(5, model.config.dim, requires_grad=True)
+    t = torch.randint(0, model.config.vocab_size, (5,))
+    got = model.head.token_logprobs(h, t, 0.5)
+    got.sum().backward()
+    assert calls == [1] and model.head.weight.grad is None and h.grad is not None
+    from pretune.model.heads import LMHead
+    torch.testing.assert_close(got, LMHead.token_logprobs(model.head, h, t, 0.5), atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ Tolerances: the tiny model's, everywhere — losses, rewards and log-probs withi
 atol 1e-5. pretune's forward equals transformers' bit for bit here (fp32, CPU); the log-probability of a token was
 the one difference: fp32 -cross_entropy, whose CPU log_softmax sums the 49152 exponentials, came out ~9e-6 nats a
 token high against fp64 (up to 1.6e-5), where TRL takes logit - logsumexp (~6e-8), and summed over a completion
-that broke 1e-5; pretune now takes logit - logsumexp too (tasks.dpo.token_logprobs). LOGPS_REL and GRAD_SCALE are
+that broke 1e-5; pretune now takes logit - logsumexp too (LMHead.token_logprobs). LOGPS_REL and GRAD_SCALE are
 the looser tolerances _lora_parity accepts, unused (None) since.
 """
 

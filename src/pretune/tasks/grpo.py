@@ -21,7 +21,8 @@ normalised by ``task.loss_type``: ``dapo`` (TRL's default) over every completion
 completion then over completions, ``dr_grpo`` over completions x ``task.max_new_tokens``. With one update per rollout
 pi_old is the policy itself (rho = 1, its gradient that of A log pi); ``task.num_iterations`` = mu > 1 trains mu
 optimizer steps on each rollout (TRL's ``num_iterations``), pi_old the policy that sampled it, its log-probabilities
-kept with the rollout (the trainer keeps the rollout in its checkpoints, so a resumed run continues bitwise). ``task.kl_beta > 0`` (TRL's ``beta``) adds
+kept with the rollout (the trainer keeps the rollout in its checkpoints, so a resumed run continues bitwise).
+``task.kl_beta > 0`` (TRL's ``beta``) adds
 TRL's k3 estimate of the KL (times rho, TRL's ``use_bias_correction_kl``) to the reference (the adapter switched
 off, or a frozen copy of the starting weights) and a reference pass per step; 0 (TRL's default) needs none.
 Log-probabilities are taken at the sampling temperature (logits / T), as TRL takes them.
@@ -46,7 +47,7 @@ from ..generation.decode import generate
 from ..generation.scoring import lead_ids
 from ..model.layout import IGNORE, layout_of
 from .base import Record, Task, TaskConfig, get_field
-from .dpo import ChatPrompts, completion_rows, token_logprobs
+from .dpo import ChatPrompts, completion_rows
 from .policy_gradient import group_advantages, reduce_loss, token_losses
 from .rewards import build_rewards, check_records, compute_rewards
 from .sft import chat_template, stop_ids
@@ -235,8 +236,7 @@ class GRPO(ChatPrompts, Task):
         only the labelled positions go through the LM head."""
         h, targets = self.layout.lm_inputs(model, batch)
         keep = targets != IGNORE
-        logits = model.head(h[keep]).float() / self.cfg.temperature
-        logp = token_logprobs(logits, targets[keep])
+        logp = model.head.token_logprobs(h[keep], targets[keep], self.cfg.temperature)  # (fast head: in row chunks)
         n, t = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1
         out = torch.zeros(n * t, device=logp.device, dtype=logp.dtype)
         out[keep] = logp

@@ -105,6 +105,71 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     return _FusedLinearCrossEntropy.apply(h, weight, targets, chunk, bias)
 
 
+class _FusedLinearTokenLogprobs(torch.autograd.Function):
+    """log p(target) per row of softmax((h W^T + bias) / temperature), a row chunk of logits at a time; the backward
+    computes each chunk's logits again (one more matmul) instead of keeping (N, vocab) of them. Unlike the mean
+    cross-entropy's, the gradient is not known in the forward: each token's comes from the loss above it."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature, chunk, bias):
+        dev = h.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+        with torch.autocast(dev, enabled=False):
+            hc, wc = h.to(dtype), _cast_frozen(weight, dtype)
+            out = torch.empty(hc.shape[0], dtype=torch.float32, device=h.device)
+            lse = torch.empty_like(out)
+            for s in range(0, hc.shape[0], chunk):
+                z = _chunk_logits(hc[s:s + chunk], wc, bias, temperature)
+                lse[s:s + chunk] = torch.logsumexp(z, dim=1)
+                out[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+        ctx.save_for_backward(hc, weight, targets, lse, bias)
+        ctx.meta = (temperature, chunk, dtype, h.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,): d loss / d log p(target)
+        hc, weight, targets, lse, bias = ctx.saved_tensors
+        temperature, chunk, dtype, h_dtype = ctx.meta
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hc) if need_h else None
+        grad_w = None
+        with torch.autocast(hc.device.type, enabled=False):
+            wc = _cast_frozen(weight, dtype)
+            for s in range(0, hc.shape[0], chunk):
+                hs, g = hc[s:s + chunk], grad_out[s:s + chunk].float()
+                z = _chunk_logits(hs, wc, bias, temperature)
+                # d log p(t) / dz = onehot(t) - softmax(z), then / temperature for the logits before the division
+                z.sub_(lse[s:s + chunk, None]).exp_().mul_(-(g / temperature)[:, None])
+                z.scatter_add_(1, targets[s:s + chunk, None], (g / temperature)[:, None])
+                gz = z.to(dtype)
+                if need_h:
+                    grad_h[s:s + chunk] = gz @ wc
+                if need_w:
+                    grad_w = (gz.t() @ hs).float() if grad_w is None else grad_w.add_(gz.t() @ hs)
+        if need_w and grad_w is None:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        return (None if grad_h is None else grad_h.to(h_dtype),
+                None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None)
+
+
+def _chunk_logits(hs: torch.Tensor, wc: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    z = (hs @ wc.t()).float()  # (c, V)
+    if bias is not None:
+        z.add_(bias.float())  # a fixed logit bias: no gradient
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def fused_linear_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                                temperature: float = 1.0, chunk: int = 512,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(target) (N,) in fp32 under softmax((h @ weight.T + bias) / temperature), without the (N, vocab)
+    logits: memory holds one (chunk, vocab) block at a time, forward and backward (the backward computes the
+    chunk's logits again). GRPO's and preference tuning's per-token log-probabilities: with 2,048 completion tokens
+    of SmolLM2, the (2,048 x 49,152) fp32 logits, their copy at the temperature and the log-softmax's gradient come
+    to ~1.2 GB. ``bias`` is a fixed logit bias (no gradient)."""
+    return _FusedLinearTokenLogprobs.apply(h, weight, targets, float(temperature), chunk, bias)
+
+
 class FastLMHead(LMHead):
     """LMHead (same weights, same logits) whose ``cross_entropy`` runs :func:`fused_linear_cross_entropy`: the
     (N, vocab) logits are never built. Equal to the reference's loss and gradients up to rounding."""
@@ -116,3 +181,11 @@ class FastLMHead(LMHead):
         if self.proj is not None:
             x = self.proj(x)
         return fused_linear_cross_entropy(x, self.weight, targets, bias=self.bias)
+
+    def token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        if not self.fusable:
+            return super().token_logprobs(h, targets, temperature)
+        x = h * self.scale if self.scale is not None else h
+        if self.proj is not None:
+            x = self.proj(x)
+        return fused_linear_token_logprobs(x, self.weight, targets, temperature=temperature, bias=self.bias)
