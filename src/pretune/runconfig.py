@@ -71,11 +71,28 @@ class TrainConfig:
     eval_batches: int = 0  # cap on evaluation batches; 0: the whole held-out set
     save_every: int = 500  # write a resumable checkpoint every N steps (and at the end); 0: only at the end
     keep_last: int = 2  # resumable checkpoints kept in <out>/checkpoints; 0: write none (no --resume)
-    log_every: int = 10  # training metrics to metrics.jsonl / TensorBoard every N steps
+    log_every: int = 10  # training metrics to metrics.jsonl (and report_to's trackers) every N steps
     seed: int = 0  # model init, data order and corruption
     threads: int = 0  # torch CPU threads; 0: torch's default
-    tensorboard: bool = True  # also write TensorBoard scalars to <out>/tb
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=lambda: ["tensorboard"])
+    # trackers each logged row also goes to (docs/tracking.md): tensorboard (<out>/tb), mlflow ($MLFLOW_TRACKING_URI,
+    # else sqlite <tracking_dir>/mlruns.db), wandb (offline unless $WANDB_MODE is set); []: metrics.jsonl only
+    tensorboard: bool | None = None  # the older switch, kept as an alias: true adds tensorboard to report_to, false
+    # removes it; unset (null): report_to decides
+    tags: list[str] = field(default_factory=list)  # labels of the tracked run (W&B tags; MLflow tags, empty values)
+    group: str = ""  # runs tracked together: W&B's group, MLflow's tag pretune.group; a sweep sets its own name
+    tracking_dir: str = ""  # where the local tracker stores go (mlruns.db, mlartifacts/, wandb/); empty: <out>;
+    # a sweep sets its tracking/ folder, so that its trials share one store
     plot: bool = True  # draw <out>/loss.png at the end
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers this run writes to: ``report_to`` (duplicates dropped) with the ``tensorboard`` alias
+        applied."""
+        names = [n for n in dict.fromkeys(self.report_to) if n != "tensorboard" or self.tensorboard is not False]
+        if self.tensorboard and "tensorboard" not in names:
+            names.insert(0, "tensorboard")
+        return tuple(names)
 
 
 @dataclass
@@ -115,7 +132,7 @@ class RunConfig:
         Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(self.to_dict())))
 
 
-_KIND = {float: "a number", int: "an integer", bool: "true or false", str: "text"}
+_KIND = {float: "a number", int: "an integer", bool: "true or false", str: "text", type(None): "null"}
 
 
 def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
@@ -140,7 +157,14 @@ def _check_type(section: str, name: str, value: Any, tp: Any) -> Any:
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")
+        (item,) = get_args(tp) or (str,)
+        if get_origin(item) is Literal:  # e.g. list[Literal["tensorboard", "mlflow"]]: each item one of them
+            return [_check_type(section, name, v, item) for v in value]
         return [str(v) for v in value]
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{where} must be null, got {value!r}")
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
@@ -390,6 +414,7 @@ def _unquote(value: str) -> str:
 # finetuning's warmup, follow)
 RESUME_MAY_CHANGE = ("train.eval_every", "train.save_every", "train.log_every", "train.threads", "train.tensorboard",
                      "train.plot", "train.eval_batches", "train.keep_last", "train.out",
+                     "train.report_to", "train.tags", "train.group", "train.tracking_dir",  # where rows also go
                      "train.precision",  # what `auto` resolves to differs between machines (not bitwise then)
                      "peft.base_dtype")  # follows the precision; a bf16 base computes what the fp32 one does
 RESUME_MAY_GROW = ("train.steps", "tune.epochs")

@@ -193,6 +193,7 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
     from ..train.dist import barrier, init_distributed, shutdown
     from ..train.loop import Trainer
     from ..train.precision import precision_line, resolve_precision
+    from ..train.trackers import Trackers, open_trackers
 
     dist = init_distributed()
     if cfg.train.threads:
@@ -203,11 +204,15 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
     precision = resolve_precision(requested, dist.device, warn=log if dist.is_main else None)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     run_dir = Path(cfg.train.out)
+    trackers = Trackers()
     try:
         if dist.is_main:
             prepare_run_folder(run_dir, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
                                writes=() if cfg.data.store else ("data",))
         barrier(dist)
+        # process 0's MLflow / W&B runs (train.report_to), opened before the data work: a missing package stops here
+        trackers = open_trackers(cfg.train, run_dir, config=cfg.to_dict(), job="pretrain", resume=resume,
+                                 enabled=dist.is_main)
         tok, model, objective, data, block_size = prepare(cfg, dist=dist, show_progress=show_progress)
         if dist.is_main:
             counts = count_parameters(model)
@@ -221,7 +226,7 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
             log(precision_line(requested, precision, dist.device))
         trainer = Trainer(model=model, objective=objective, data=data, cfg=cfg.train, run_dir=run_dir,
                           tokenizer=tok, dist=dist, bucket=cfg.data.bucket, run_config=cfg,
-                          show_progress=show_progress)
+                          show_progress=show_progress, trackers=trackers)
         result = trainer.fit(resume=resume, log=log)
         model, objective = trainer.consolidated(objective=True)  # FSDP: the gathered weights, plain modules
         model_dir = run_dir / "model"
@@ -238,8 +243,11 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
                 plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png",
                             title=f"{cfg.objective.name} · {model.config.arch}")
             mark(run_dir, ["model", "loss.png"])
+            trackers.log_artifacts(run_dir, ["loss.png", "run.yaml"])
+        trackers.close()
         barrier(dist)
     finally:
+        trackers.close(failed=True)  # after an error the tracked runs end as failed (nothing once closed)
         shutdown(dist)
     if dist.is_main:
         log(f"model -> {model_dir}  ({result.step} steps, {result.seconds:.1f}s, "

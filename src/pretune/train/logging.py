@@ -1,5 +1,5 @@
 """Training metrics: one JSON object a line in ``run_dir/metrics.jsonl``, TensorBoard scalars in
-``run_dir/tb``, and a loss-curve PNG drawn from the JSONL.
+``run_dir/tb``, the same rows in MLflow / W&B (``pretune.train.trackers``), and a loss-curve PNG drawn from the JSONL.
 
 ::
 
@@ -18,9 +18,12 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..io.outputs import write_atomic
+
+if TYPE_CHECKING:
+    from .trackers import Trackers
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -52,12 +55,14 @@ def _as_number(name: str, value: Any) -> float | int:
 
 
 class MetricsLogger:
-    """Appends metric records to ``run_dir/metrics.jsonl`` and mirrors them to TensorBoard.
+    """Appends metric records to ``run_dir/metrics.jsonl`` and mirrors them to TensorBoard and the trackers.
 
     Args:
         run_dir: run folder (created). The JSONL holds ``{"step", "split", <metric>: value, ...}``.
         tensorboard: also write ``run_dir/tb`` event files with scalars ``"{split}/{metric}"``
             (``train/loss``); without the ``tensorboard`` package: one warning, JSONL only.
+        trackers: open MLflow / W&B runs (:func:`~pretune.train.trackers.open_trackers`) each record also goes
+            to, as ``"{split}/{metric}"`` at its step; their opener ends them (after adding its artifacts).
         enabled: False makes every method a no-op and touches no file (DDP ranks other than 0).
         append: keep the existing metrics (resuming). False starts the run afresh: the JSONL is
             emptied and old TensorBoard event files in ``run_dir/tb`` are removed.
@@ -72,6 +77,7 @@ class MetricsLogger:
         run_dir: str | os.PathLike,
         *,
         tensorboard: bool = True,
+        trackers: Trackers | None = None,
         enabled: bool = True,
         append: bool = False,
         resume_step: int | None = None,
@@ -81,6 +87,7 @@ class MetricsLogger:
         self.enabled = enabled
         self._file = None
         self._writer = None
+        self._trackers = trackers
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,6 +124,8 @@ class MetricsLogger:
         if self._writer is not None:
             for k, v in values.items():
                 self._writer.add_scalar(f"{split}/{k}", v, global_step=step)
+        if self._trackers is not None:
+            self._trackers.log(step, split, values)
 
     def close(self) -> None:
         """Flush and close the files; later calls are no-ops."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,12 +113,14 @@ class Trainer:
         callbacks: :class:`~pretune.train.callbacks.Callback` objects (keep-best, early stopping, ...), called
             after every evaluation and at the end; their state is checkpointed with the run.
         param_lr: a peak learning rate of its own for some parameters (``id(param) -> lr``), e.g. a task head.
+        trackers: the job's MLflow / W&B runs (``train.trackers.open_trackers``), which every logged row also goes
+            to and which the job ends; None: ``fit`` opens those ``cfg.report_to`` names itself and ends them.
     """
 
     def __init__(self, *, model, objective, data: ExampleSet, cfg, run_dir, tokenizer=None,
                  dist: DistInfo | None = None, bucket: bool = False, run_config=None, show_progress: bool = True,
                  evaluator: Callable[[], dict] | None = None, callbacks: Sequence | None = None,
-                 param_lr: dict[int, float] | None = None):
+                 param_lr: dict[int, float] | None = None, trackers=None):
         from ..runconfig import check_batch
         from .optim import build_optimizer, build_scheduler
 
@@ -127,6 +130,7 @@ class Trainer:
         self.dist = dist or DistInfo()
         self.show_progress = show_progress
         self.evaluator = evaluator
+        self.trackers = trackers
         self.callbacks = list(callbacks or [])
         self.stopped_early = False
         d = self.dist
@@ -523,6 +527,7 @@ class Trainer:
         from ..config import ConfigError
         from ..io.progress import progress
         from .logging import MetricsLogger
+        from .trackers import open_trackers
 
         cfg, d = self.cfg, self.dist
         start = self.resume(log) if resume else 0
@@ -534,8 +539,11 @@ class Trainer:
             log(f"resumed from step {start} ({self.run_dir / 'checkpoints'})")
         if d.is_main and self.run_config is not None:
             self._write_run_config(start)
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, enabled=d.is_main,
-                               append=resume, resume_step=start)
+        trackers = self.trackers if self.trackers is not None else open_trackers(
+            cfg, self.run_dir, config=self.run_config.to_dict() if self.run_config is not None else None,
+            resume=resume, enabled=d.is_main)
+        logger = MetricsLogger(self.run_dir, tensorboard="tensorboard" in cfg.trackers, trackers=trackers,
+                               enabled=d.is_main, append=resume, resume_step=start)
         bar = progress(total=cfg.steps, initial=start, disable=not (d.is_main and self.show_progress),
                    desc="train", unit="step", dynamic_ncols=True)
         t0 = time.perf_counter()
@@ -603,6 +611,8 @@ class Trainer:
             signals.restore()
             bar.close()
             logger.close()
+            if trackers is not self.trackers:  # opened above: ended here (a job ends its own after its artifacts)
+                trackers.close(failed=sys.exc_info()[0] is not None)
         return TrainResult(step=self.step, train_loss=last.get("loss", float("nan")), eval=eval_out,
                            seconds=time.perf_counter() - t0, tokens=tokens, run_dir=self.run_dir, checkpoint=ckpt)
 

@@ -30,6 +30,7 @@ import torch
 from ...loading import TASK_FILE
 from ...tasks.run import encode_records, evaluate_task, run_outputs, subsample
 from ...train.precision import resolve_precision
+from ...train.trackers import open_trackers
 from ..inference import evaluate, load_finetuned, predict  # re-exported: finetune's API before inference.py
 from .config import FinetuneConfig, FinetuneData, TuneConfig, _stored_as_now, load_finetune_config
 from .export import FinetuneResult, export
@@ -104,9 +105,14 @@ def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_
     log(precision_line(requested, tr.precision, dist.device))
     if job.method.base_note:
         log(job.method.base_note)
-    trainer = build_trainer(job, show_progress=show_progress, log=log, dist=dist)
-    t0 = time.perf_counter()
-    result = trainer.fit(resume=resume, log=log)
-    seconds = time.perf_counter() - t0
-    job = dataclasses.replace(job, model=trainer.consolidated())  # FSDP: the gathered weights, a plain model
-    return export(job, trainer, result.step, seconds, show_progress=show_progress, log=log, dist=dist)
+    # process 0's MLflow / W&B runs (train.report_to); ended as failed if anything below raises
+    with open_trackers(tr, run_dir, config=cfg.to_dict(), job="finetune", resume=resume,
+                       enabled=dist.is_main) as trackers:
+        trainer = build_trainer(job, show_progress=show_progress, log=log, dist=dist, trackers=trackers)
+        t0 = time.perf_counter()
+        result = trainer.fit(resume=resume, log=log)
+        seconds = time.perf_counter() - t0
+        job = dataclasses.replace(job, model=trainer.consolidated())  # FSDP: the gathered weights, a plain model
+        out = export(job, trainer, result.step, seconds, show_progress=show_progress, log=log, dist=dist)
+        trackers.log_artifacts(run_dir, ["results.json", "loss.png", "run.yaml"])
+    return out

@@ -51,7 +51,7 @@ FULL_LR = 5e-5  # full finetuning's default peak learning rate (BERT's range is 
 HEAD_LR = 1e-2
 # lr 0, batch_size 0 and steps 0: chosen from the method and the data (defaults.py), steps from tune.epochs
 FINETUNE_TRAIN_DEFAULTS = dict(out="runs/finetune", lr=0.0, batch_size=0, steps=0, eval_every=0, save_every=0,
-                               keep_last=1, log_every=10, tensorboard=False)
+                               keep_last=1, log_every=10, report_to=[])
 
 
 @dataclass

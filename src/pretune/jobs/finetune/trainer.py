@@ -13,9 +13,10 @@ from ...tasks.run import evaluate_task
 from .prepare import Prepared
 
 
-def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None):
+def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None, trackers=None):
     """The shared Trainer over the training features, with dev evaluation (sharded over the processes of a torchrun
-    run, gathered), keep-best, early stopping and the train losses (did training take? ``diagnose``)."""
+    run, gathered), keep-best, early stopping and the train losses (did training take? ``diagnose``); ``trackers``:
+    the job's open MLflow / W&B runs (``pretune.train.trackers``)."""
     from ...train.callbacks import EarlyStopping, EvalHistory, KeepBest, TrainLosses
     from ...train.dist import DistInfo
     from ...train.loop import ExampleSet, Trainer
@@ -56,6 +57,6 @@ def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None):
             f"{cfg.tune.head_lr:g}, the rest at {tr.lr:g}")
     trainer = Trainer(model=model, objective=task, data=data, cfg=tr, run_dir=Path(tr.out), tokenizer=job.tokenizer,
                       dist=dist, bucket=True, run_config=cfg, show_progress=show_progress, evaluator=evaluator,
-                      callbacks=callbacks, param_lr=param_lr)
+                      callbacks=callbacks, param_lr=param_lr, trackers=trackers)
     trainers.append(trainer)
     return trainer
