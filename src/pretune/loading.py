@@ -201,7 +201,12 @@ def load_pretrained(path: str | os.PathLike, *, base: str | os.PathLike | None =
         raise ConfigError(f"the tokenizer of {path} has {tok.vocab_size} tokens but the model's vocabulary has "
                           f"{model.config.vocab_size}: is it the model's own tokenizer?")
     model.to(device=device, dtype=dtype)
-    folders = tuple(Path(f) for f in ([tokenizer] if tokenizer else []) + [path, *bases])
+    own_folders = [path]
+    if kind == "gguf" and tok is not None and not tokenizer:  # its chat template is read where a folder's would be
+        from .io.gguf_tokenizer import tokenizer_folder
+
+        own_folders = [tokenizer_folder(tok)]
+    folders = tuple(Path(f) for f in ([tokenizer] if tokenizer else []) + [*own_folders, *bases])
     return Pretrained(model=model.eval(), tokenizer=tok, task=task, kind=kind, path=path, base=base_dir,
                       folders=folders)
 

@@ -9,6 +9,7 @@ import torch
 import pretune
 from pretune import peft
 from pretune.cli import main
+from pretune.generation.prompt import load_chat_template
 from pretune.interop.gguf import GGUFError, read_gguf, write_gguf, write_lora_gguf
 from pretune.io.gguf_tokenizer import GGUFTokenizerError
 from pretune.io.tokenization import train_tokenizer
@@ -152,7 +153,8 @@ def _base(model):
     return plain
 
 
-def test_cli_round_trip_existing_out_and_loader(tok, tmp_path):
+def test_cli_round_trip_existing_out_and_loader(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRETUNE_CACHE", str(tmp_path / "cache"))  # where the file's tokenizer folder goes
     model = _model(_config("qwen2"))
     pretune.save(model, tmp_path / "ck", tokenizer=tok)
     out = tmp_path / "q.gguf"
@@ -162,6 +164,7 @@ def test_cli_round_trip_existing_out_and_loader(tok, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
     loaded = pretune.load_pretrained(out)  # a .gguf path wherever a model path is taken
     assert loaded.kind == "gguf" and loaded.tokenizer.chat_template == TEMPLATE
+    assert load_chat_template(loaded.folders).template == TEMPLATE  # generate --chat, prompt --chat read it there
     ids = tok.encode(TEXT)
     torch.testing.assert_close(_logits(loaded.model, ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
     assert main(["convert", "--from-gguf", str(out), "--out", str(tmp_path / "back")]) == 0
@@ -217,7 +220,8 @@ def test_bad_files_are_named(tok, tmp_path, capsys):
     assert "cut.gguf: a corrupt or truncated GGUF file" in capsys.readouterr().err
 
 
-def test_adapter_folder_exports_as_gguf_lora_and_dora_is_refused(tok, tmp_path, capsys):
+def test_adapter_folder_exports_as_gguf_lora_and_dora_is_refused(tok, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PRETUNE_CACHE", str(tmp_path / "cache"))
     model = _model(_config("llama"))
     pretune.save(model, tmp_path / "base", tokenizer=tok)
     peft.inject(model, peft.PeftConfig(method="lora", r=2, alpha=4))
@@ -233,3 +237,17 @@ def test_adapter_folder_exports_as_gguf_lora_and_dora_is_refused(tok, tmp_path, 
     peft.save_adapter(dora, tmp_path / "dora", base=str(tmp_path / "base"))
     assert main(["convert", "--to-gguf", str(tmp_path / "dora"), "--out", str(tmp_path / "dora.gguf")]) == 2
     assert "lora_magnitude" in capsys.readouterr().err and not (tmp_path / "dora.gguf").exists()
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_gguf_reads_as_transformers_dequantises_it():
+    """The bundled Q4_1 file read by pretune's reader gives transformers' de-quantised model exactly."""
+    from pretune.realmodels import smollm2_dir, smollm2_gguf
+
+    ref = pretune.load_pretrained(smollm2_dir())
+    model, tok = read_gguf(smollm2_gguf())
+    ids = ref.tokenizer.encode(TEXT)
+    assert tok.encode(TEXT) == ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([ids])).logits, ref.model(torch.tensor([ids])).logits)
+

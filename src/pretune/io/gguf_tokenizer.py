@@ -11,11 +11,13 @@ is added when llama.cpp tokenizes (pretune's ``encode`` adds none either).
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 from .tokenization import Tokenizer, TokenizerError
 
-__all__ = ["GGUFTokenizerError", "tokenizer_keys", "write_tokenizer", "read_tokenizer"]
+__all__ = ["GGUFTokenizerError", "tokenizer_keys", "write_tokenizer", "read_tokenizer", "tokenizer_folder"]
 
 # tokenizer.json's pre-tokenizer -> llama.cpp's name for it (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_*)
 _GPT2_BYTELEVEL = {"type": "ByteLevel", "use_regex": True, "add_prefix_space": False}
@@ -146,3 +148,18 @@ def read_tokenizer(fields: dict, *, source: str) -> Tokenizer:
     tok = Tokenizer(tk, roles=roles)
     tok.chat_template = _value(fields, "tokenizer.chat_template")
     return tok
+
+
+def tokenizer_folder(tok: Tokenizer) -> Path:
+    """A folder holding ``tok`` as a model folder keeps it (tokenizer.json, its roles in tokenizer_config.json,
+    chat_template.jinja), so that what reads a model's folders (chat templates, special-token strings) reads a GGUF
+    file's tokenizer too: ``$PRETUNE_CACHE/tokenizers/gguf-<hash>`` (beside the converted SentencePiece models),
+    written once, keyed by the tokenizer, its roles and its template."""
+    from .spm import cache_root
+    from .tokenization import tokenizer_sha
+
+    key = hashlib.sha256(json.dumps([tokenizer_sha(tok), tok.roles, tok.chat_template]).encode()).hexdigest()[:16]
+    folder = cache_root() / f"gguf-{key}"
+    if not (folder / "tokenizer.json").is_file():
+        tok.save(folder / "tokenizer.json")
+    return folder
