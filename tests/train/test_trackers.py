@@ -6,6 +6,7 @@ import socket
 import struct
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,33 @@ def sentences_data(tmp_path):
         out[name] = tmp_path / f"{name}.jsonl"
         out[name].write_text("".join(json.dumps(r) + "\n" for r in part))
     return out
+
+
+@pytest.mark.slow  # its own sqlite store and two runs (about 15 s on 2 cores)
+def test_a_resumed_run_goes_on_in_the_same_tracked_runs(tmp_path, small_corpus, tokenizers_by_kind, tracker_env):
+    from mlflow.tracking import MlflowClient
+
+    def cfg(steps):
+        return load_run_config(overrides=[
+            "model.preset=tiny-bert-base", "objective.name=mlm", f"tokenizer={tokenizers_by_kind['wordpiece']}",
+            f"data.train=[{small_corpus}]", f"train.out={tmp_path / 'run'}", f"data.store={tmp_path / 'store'}",
+            "data.block_size=32", "model.max_seq_len=64", f"train.steps={steps}", "train.batch_size=4",
+            "train.log_every=1", "train.eval_every=0", "train.save_every=2", "train.keep_last=1", "train.plot=false",
+            "train.report_to=[mlflow,wandb]"])
+
+    pretrain(cfg(2), **QUIET)
+    first = json.loads((tmp_path / "run" / RECORD_FILE).read_text())
+    pretrain(cfg(4), resume=True, **QUIET)  # a longer run, continued from its step-2 checkpoint
+    again = json.loads((tmp_path / "run" / RECORD_FILE).read_text())
+    assert again["mlflow"] == first["mlflow"] and again["wandb"]["id"] == first["wandb"]["id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlruns.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretune").experiment_id])
+    assert run.info.run_id == first["mlflow"]["run_id"] and run.info.status == "FINISHED"
+    rows = [r for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        (r["step"], r["loss"]) for r in rows] and [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert run.data.params["train.steps"] == "2"  # parameters stay as first logged; run.yaml holds the new ones
+    # W&B offline cannot reopen a run: the second part is a second folder under the same run id (wandb sync both)
+    folders = sorted(str(p) for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert folders == sorted([first["wandb"]["dir"], again["wandb"]["dir"]]) and len(set(folders)) == 2
+    assert all(first["wandb"]["id"] in Path(f).name for f in folders)

@@ -39,6 +39,8 @@ def add_experiment_parser(sub) -> argparse.ArgumentParser:
                    "(what it wrote is removed, nothing else)")
     s.add_argument("--report", action="store_true", help="run nothing: rewrite the report from what OUT holds")
     s.add_argument("--quiet", action="store_true", help="no live tables (a line per finished trial)")
+    s.add_argument("--report-to", metavar="NAMES", help="trackers every training trial also logs to, comma-separated: "
+                   "tensorboard, mlflow, wandb (one tracked run per trial, grouped by sweep; docs/tracking.md)")
     s.set_defaults(func=cmd_experiment)
     return s
 
@@ -64,7 +66,9 @@ def cmd_experiment(args) -> int:
     exp = get_experiment(args.name)
     print(f"{exp.title} ({exp.name}, size {args.size})\nclaim: {exp.claim}\nsource: {exp.source}\n", flush=True)
     result = run_experiment(exp, size=args.size, out=args.out, jobs=args.jobs, threads=args.threads,
-                            overwrite=args.overwrite, report_only=args.report, show_progress=not args.quiet)
+                            overwrite=args.overwrite, report_only=args.report, show_progress=not args.quiet,
+                            report_to=[n.strip() for n in args.report_to.split(",") if n.strip()]
+                            if args.report_to is not None else None)
     label, explanation = result.verdict
     print(f"\n{exp.title} ({exp.name}, size {result.size}): mean ± std over seeds\n")
     print(result.table)

@@ -130,7 +130,7 @@ def _save_state(out: Path, state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 def run_experiment(experiment: str | Experiment, *, size: str = "default", out: str | Path | None = None,
                    jobs: int = 1, threads: int | None = None, overwrite: bool = False, report_only: bool = False,
-                   show_progress: bool = True, log=print) -> ExperimentResult:
+                   report_to: list[str] | None = None, show_progress: bool = True, log=print) -> ExperimentResult:
     """Run (or continue) an experiment and write its report; returns the results and the verdicts.
 
     Args:
@@ -140,6 +140,8 @@ def run_experiment(experiment: str | Experiment, *, size: str = "default", out: 
         jobs: trials at once (each sweep's ``--jobs``); threads: torch threads per trial (default cores // jobs).
         overwrite: start over in a folder that holds an earlier experiment (only what it wrote is removed).
         report_only: run nothing; rewrite the report from what the folder holds.
+        report_to: trackers every training trial also logs to (``train.report_to``: tensorboard, mlflow, wandb),
+            one tracked run per trial grouped by ``EXPERIMENT.SWEEP``; None: as each sweep says (none).
         show_progress: each sweep's live table; log: where progress lines go.
     """
     from ..sweep import aggregate, cores, run_sweep
@@ -164,7 +166,7 @@ def run_experiment(experiment: str | Experiment, *, size: str = "default", out: 
         state["runs"].append(run)
         _save_state(out, state)
     inputs = exp.prepare(size, out / INPUTS, log=log)  # reuses what an earlier run made
-    sweeps = exp.sweeps(size, inputs)
+    sweeps = [Sweep(s.name, tracked(s.spec, report_to, group=f"{exp.name}.{s.name}")) for s in exp.sweeps(size, inputs)]
     _check_sweeps(exp, sweeps)
     if not report_only:
         claim(out, [s.name for s in sweeps], what="experiment")
@@ -188,6 +190,16 @@ def run_experiment(experiment: str | Experiment, *, size: str = "default", out: 
             run["wall_seconds"] = round(time.time() - t0, 1)
             _save_state(out, state)
     return write_report(exp, size, out, Results(size=size, sweeps=results, inputs=inputs), state)
+
+
+def tracked(spec: dict, report_to: list[str] | None, *, group: str) -> dict:
+    """A sweep spec whose training trials log to the trackers ``report_to`` (over the spec's own choice, which the
+    experiments leave at none: ``train.tensorboard=false``), grouped as ``group``; a prompt sweep (no training) and
+    ``report_to=None`` leave it as it is."""
+    if report_to is None or spec.get("command") == "prompt":
+        return spec
+    base = {**spec.get("base", {}), "train.report_to": list(report_to), "train.tensorboard": None, "train.group": group}
+    return {**spec, "base": base}
 
 
 def _check_sweeps(exp: Experiment, sweeps: list[Sweep]) -> None:

@@ -8,6 +8,7 @@ The sweep folder (``out``)::
     trials/<trial>/     each trial's ordinary run folder (run.yaml, metrics.jsonl, results.json, model/, ...)
     logs/<trial>.log    each trial's output (stdout and stderr), every attempt appended
     submitit/           submitit's job files (--executor local / slurm)
+    tracking/           the trials' MLflow store and W&B offline runs (train.report_to; docs/tracking.md)
     results.jsonl, results.csv, summary.md, curves.png, bars.png   the report (pretune.sweep.report)
 
 A rerun of the same spec continues: a trial the state file records as done whose results are there is skipped;
@@ -28,11 +29,21 @@ from pathlib import Path
 from ..config import ConfigError
 from ..io.outputs import MARKER, check_folder, claim, clean_run_folder, owned_entries, write_atomic
 from .report import REPORT_FILES, SweepResult, trial_metrics, write_report
-from .spec import SweepSpec, Trial, check_trials, expand, load_spec, trial_command, trial_config, trial_settings
+from .spec import (
+    TRACKING_DIR,
+    SweepSpec,
+    Trial,
+    check_trials,
+    expand,
+    load_spec,
+    trial_command,
+    trial_config,
+    trial_settings,
+)
 
 STATE_FILE = "sweep_state.json"
 SPEC_FILE = "sweep.yaml"
-SWEEP_ENTRIES = (SPEC_FILE, STATE_FILE, "configs", "trials", "logs", "submitit", *REPORT_FILES)
+SWEEP_ENTRIES = (SPEC_FILE, STATE_FILE, "configs", "trials", "logs", "submitit", TRACKING_DIR, *REPORT_FILES)
 RESULT_OF = {"pretrain": "model", "finetune": "results.json", "prompt": "results.json"}  # present: it finished
 EXECUTORS = ("processes", "local", "slurm")
 TAIL_LINES = 20  # lines of a failed trial's output kept in the state file and results
@@ -149,13 +160,15 @@ def _config_text(spec: SweepSpec, trial: Trial, folder: Path) -> str:
 
 
 def _same_config(old: str, new: str) -> bool:
-    """Two trial configs equal but for the run folder's spelling (``runs/x`` vs ``./runs/x``)."""
+    """Two trial configs equal but for the run folder's spelling (``runs/x`` vs ``./runs/x``) and where the rows are
+    tracked (the trackers, tags, group and store: logging, which a resumed run may change too)."""
     import yaml
 
     def norm(text: str):
         data = yaml.safe_load(text) or {}
         if isinstance(data.get("train"), dict):
-            data["train"].pop("out", None)
+            for key in ("out", "report_to", "tensorboard", "tags", "group", "tracking_dir"):
+                data["train"].pop(key, None)
         return data
 
     return old == new or norm(old) == norm(new)

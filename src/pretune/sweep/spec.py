@@ -32,6 +32,7 @@ SET_BY_SWEEP = {"pretrain": {"train.out": "the trial folder", "train.seed": "`se
                 "prompt": {"seed": "`seeds: [...]`", "json": "the trial folder", "out": "the trial folder",
                            "overwrite": "the sweep", "quiet": "the sweep"}}
 SET_BY_SWEEP["finetune"] = SET_BY_SWEEP["pretrain"]
+TRACKING_DIR = "tracking"  # the sweep's local tracker stores (mlruns.db, mlartifacts/, wandb/), shared by its trials
 SIGNIFICANT = 4  # random draws are rounded to this many significant digits (readable names, exact configs)
 
 
@@ -383,12 +384,19 @@ def trial_settings(spec: SweepSpec, trial: Trial, folder: str | Path) -> dict:
     return {**spec.base, **trial.params, "train.seed": trial.seed, "train.out": str(folder)}
 
 
+def tracking_defaults(spec: SweepSpec) -> dict:
+    """How a sweep's trials are tracked (``train.report_to``), unless its config file or base says otherwise: one
+    tracked run per trial, grouped by the sweep's folder name (W&B's group, MLflow's tag ``pretune.group``), in one
+    local store for the whole sweep, ``<out>/tracking`` (``$MLFLOW_TRACKING_URI`` still wins)."""
+    return {"group": Path(spec.out).name, "tracking_dir": str(Path(spec.out).resolve() / TRACKING_DIR)}
+
+
 def trial_config(spec: SweepSpec, trial: Trial, folder: str | Path) -> str:
     """A pretrain/finetune trial's whole config as YAML: the base config file with the trial's settings merged
     over it (interpolations such as ``${bundled:...}`` kept); ``pretune CMD --config FILE`` runs it."""
     from omegaconf import OmegaConf
 
-    layers = []
+    layers = [OmegaConf.create({"train": tracking_defaults(spec)})]  # under the config file and the spec's base
     if spec.config:
         loaded = OmegaConf.load(spec.config)
         if isinstance(loaded.get("model"), str):  # `model: tiny-gpt2` is short for `model: {preset: tiny-gpt2}`

@@ -29,6 +29,7 @@ whose package is missing is a ConfigError naming the package and the ``track`` e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -77,11 +78,26 @@ class RunInfo:
             {"pretune.group": self.group} if self.group else {})
 
 
+@contextlib.contextmanager
+def _one_at_a_time(lock: Path | None):
+    """Hold an exclusive lock on the file ``lock`` (None: no lock): the trials of a sweep that start together must
+    not create one sqlite store's tables, or its first experiment, at the same time."""
+    if lock is None:
+        yield
+        return
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 class MlflowRun:
     """One MLflow run through ``MlflowClient`` (no global active run, so several may be open in one process)."""
 
     name = "mlflow"
-    local = ("mlruns.db", "mlartifacts")  # what it writes into its store folder
+    local = ("mlruns.db", "mlartifacts", ".mlruns.lock")  # what it writes into its store folder
 
     def __init__(self, info: RunInfo, record: dict | None):
         from mlflow.entities import Param
@@ -89,16 +105,17 @@ class MlflowRun:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{info.store.resolve() / 'mlruns.db'}"
         self.local_store = not os.environ.get("MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(tracking_uri=uri)
-        if record and record.get("tracking_uri") == uri:  # --resume: the same run goes on
-            self.run_id = record["run_id"]
-            self.client.update_run(self.run_id, status="RUNNING")
-            logged = self.client.get_run(self.run_id).data.params
-        else:
-            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT
-            self.run_id = self.client.create_run(self._experiment(experiment, info.store), run_name=info.run_dir.name,
-                                                 tags=info.tags).info.run_id
-            logged = {}
+        with _one_at_a_time(info.store / ".mlruns.lock" if self.local_store else None):
+            self.client = MlflowClient(tracking_uri=uri)  # a new sqlite store creates its tables (seconds)
+            if record and record.get("tracking_uri") == uri:  # --resume: the same run goes on
+                self.run_id = record["run_id"]
+                self.client.update_run(self.run_id, status="RUNNING")
+                logged = self.client.get_run(self.run_id).data.params
+            else:
+                experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT
+                self.run_id = self.client.create_run(self._experiment(experiment, info.store),
+                                                     run_name=info.run_dir.name, tags=info.tags).info.run_id
+                logged = {}
         # parameters cannot change once logged: a resumed run adds the keys it did not have (run.yaml holds the rest)
         params = [Param(k, str(v)[:MLFLOW_PARAM_CHARS]) for k, v in _flat(info.config).items() if k not in logged]
         for i in range(0, len(params), MLFLOW_BATCH):
@@ -112,7 +129,7 @@ class MlflowRun:
         where = (store.resolve() / "mlartifacts").as_uri() if self.local_store else None  # a server chooses its own
         try:
             return self.client.create_experiment(name, artifact_location=where)
-        except Exception:  # another trial of the sweep created it first
+        except Exception:  # another trial of the sweep created it first (on a server)
             found = self.client.get_experiment_by_name(name)
             if found is None:
                 raise
@@ -152,8 +169,7 @@ class WandbRun:
             mode=None if os.environ.get("WANDB_MODE") else "offline",  # the user's WANDB_MODE wins
             id=record["id"] if record else None, resume="allow" if record else None,
             reinit="create_new",  # runs of several trials or tests in one process stay apart
-            # pretune's own output stays on the terminal; saved files are copies, so the offline run stands alone
-            settings=wandb.Settings(console="off", silent=True, symlink=False))
+            settings=wandb.Settings(console="off", silent=True))  # pretune's own output stays on the terminal
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")  # the x axis: the row's step, as in metrics.jsonl
         self.record = {"id": self.run.id, "dir": str(Path(self.run.dir).parent)}
@@ -162,10 +178,15 @@ class WandbRun:
         self.run.log({"step": step, **{f"{split}/{k}": v for k, v in values.items()}})
 
     def log_artifacts(self, paths: list[Path]) -> None:
+        import shutil
+
+        files_dir = Path(self.run.dir)  # what `wandb sync` uploads: copies, so a later rewrite changes nothing there
         for path in paths:
-            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            for f in files:
-                self.run.save(str(f.resolve()), base_path=str(path.parent.resolve()), policy="now")
+            for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+                copy = files_dir / f.relative_to(path.parent)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, copy)
+                self.run.save(str(copy), base_path=str(files_dir), policy="now")
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
