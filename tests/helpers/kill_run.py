@@ -6,7 +6,9 @@ MODE ``step``: SIGKILL right after training step STEP; ``write``: SIGKILL in the
 step STEP (its weights are on disk, its trainer.pt half written); ``sigint``: a SIGINT during step STEP (the run
 should finish the step, checkpoint and exit 130); ``inf``: an overflow in one gradient element before the loss scaler
 looks at the gradients of step STEP, only in the processes listed in $INF_RANKS (e.g. "0" or "0,1"); ``none``: run to
-the end."""
+the end. Under torchrun (issue 38): ``worker``: SIGKILL after step STEP in the process of rank $KILL_RANK (default
+1) only, on torchrun's first start (a restart runs on), printing which checkpoints existed then; ``node``: the same,
+its torchrun agent killed first (the whole node is lost)."""
 
 import os
 import signal
@@ -33,6 +35,24 @@ if mode in ("step", "sigint"):
         return out
 
     loop.Trainer.train_step = patched
+elif mode in ("worker", "node"):
+    train_step = loop.Trainer.train_step
+    victim = int(os.environ.get("KILL_RANK", "1"))
+
+    def killing(self):
+        out = train_step(self)
+        if (self.step == at and self.dist.rank == victim
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            ckpts = sorted(p.name for p in (self.run_dir / "checkpoints").glob("step-*"))
+            print(f"kill_run: SIGKILL of rank {victim}'s {mode} after step {at} of {self.cfg.steps}; checkpoints "
+                  f"then: {', '.join(ckpts)}; model/ {'exists' if (self.run_dir / 'model').exists() else 'absent'}",
+                  flush=True)
+            if mode == "node":
+                os.kill(os.getppid(), signal.SIGKILL)  # the agent first: nothing restarts on this node
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    loop.Trainer.train_step = killing
 elif mode == "write":
     save = torch.save
 

@@ -191,6 +191,7 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
     from ..io.outputs import mark, prepare_run_folder
     from ..model import count_parameters
     from ..train.dist import barrier, init_distributed, shutdown
+    from ..train.elastic import record_launch, restart_mode
     from ..train.loop import Trainer
     from ..train.precision import precision_line, resolve_precision
     from ..train.trackers import Trackers, open_trackers
@@ -206,9 +207,12 @@ def pretrain(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, s
     run_dir = Path(cfg.train.out)
     trackers = Trackers()
     try:
+        # started again by torchrun after a failure (--max-restarts): the launch's own run resumes by itself
+        resume, overwrite = restart_mode(run_dir, dist, resume=resume, overwrite=overwrite, log=log)
         if dist.is_main:
             prepare_run_folder(run_dir, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
                                writes=() if cfg.data.store else ("data",))
+        record_launch(run_dir, dist)
         barrier(dist)
         # process 0's MLflow / W&B runs (train.report_to), opened before the data work: a missing package stops here
         trackers = open_trackers(cfg.train, run_dir, config=cfg.to_dict(), job="pretrain", resume=resume,

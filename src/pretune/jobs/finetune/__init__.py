@@ -70,8 +70,11 @@ def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_
     from ...io.outputs import check_folder, prepare_run_folder
     from ...model import count_parameters
     from ...train.dist import barrier
+    from ...train.elastic import record_launch, restart_mode
     from ...train.precision import precision_line
 
+    # started again by torchrun after a failure (--max-restarts): the launch's own run resumes by itself
+    resume, overwrite = restart_mode(cfg.train.out, dist, resume=resume, overwrite=overwrite, log=log)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.set_flush_denormal(True)
@@ -85,6 +88,7 @@ def _finetune(cfg: FinetuneConfig, dist, *, resume: bool, overwrite: bool, show_
     if dist.is_main:
         run_dir = prepare_run_folder(tr.out, cfg.to_dict(), resume=resume, overwrite=overwrite, log=log,
                                      derived=tuple(job.derived), stored_as_now=_stored_as_now)
+    record_launch(run_dir, dist)
     barrier(dist)
     if getattr(cfg.task, "precompute_reference", False):  # dpo, kto: the reference pass once, before training
         from .reference import precompute_reference
