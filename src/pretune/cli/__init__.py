@@ -102,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .pretrain import add_pretrain_parsers
     from .prompt import add_prompt_parser
     from .quickstart import add_quickstart_parser
+    from .serve import add_serve_parser
     from .sweep import add_sweep_parser
 
     for add in (add_model_parsers, add_bench_parser, add_data_parsers, add_pretrain_parsers, add_finetune_parsers,
                 add_embed_parser, add_peft_parser, add_prompt_parser, add_generate_parser, add_sweep_parser,
-                add_experiment_parser, add_quickstart_parser):
+                add_experiment_parser, add_quickstart_parser, add_serve_parser):
         add(sub)
     return p
 
