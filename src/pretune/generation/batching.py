@@ -119,7 +119,14 @@ class RaggedStep:
     @staticmethod
     def of(model, max_batch: int) -> RaggedStep | None:
         flat = FlatDecoder.of(model)
-        return RaggedStep(flat, max_batch) if flat is not None else None
+        if flat is None:
+            return None
+        for layer in flat.layers:  # a projection the flat step runs by a kernel of its own (not a weight matrix
+            # or the module's forward) is one this step does not know: each row then runs the model's forward
+            if (layer.project is None and getattr(layer, "qkv_w", None) is None) or (
+                    layer.ffn is None and getattr(layer, "up_w", None) is None):
+                return None
+        return RaggedStep(flat, max_batch)
 
     def __call__(self, tokens: list[int], caches: list, route=None) -> torch.Tensor:
         """tokens: each row's newest token; caches: each row's KVCache (the tokens before it); route: a context
