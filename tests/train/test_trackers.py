@@ -154,6 +154,11 @@ def _jsonl_series(rows):
 def test_mlflow_and_wandb_hold_the_rows_of_metrics_jsonl(tmp_path, sentences_data, tokenizers_by_kind, tracker_env):
     from mlflow.tracking import MlflowClient
 
+    # the user's MLflow store, which pretune uses as it is: a file store here (created in milliseconds; a new sqlite
+    # store, the default in the run folder, takes 7-10 s to create its tables: the slow tests below use that one)
+    store = (tmp_path / "mlruns").as_uri()
+    tracker_env.setenv("MLFLOW_TRACKING_URI", store)
+    tracker_env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow >= 3.13 refuses file stores without it
     run_dir = tmp_path / "run"
     cfg = load_finetune_config(None, [
         "model.preset=tiny-bert-base", f"tokenizer={tokenizers_by_kind['wordpiece']}", "task.name=classification",
@@ -165,10 +170,11 @@ def test_mlflow_and_wandb_hold_the_rows_of_metrics_jsonl(tmp_path, sentences_dat
     rows = read_metrics(run_dir)
     series = _jsonl_series(rows)
     assert {r["split"] for r in rows} == {"train", "eval"} and "eval/dev_accuracy" in series
-    assert {RECORD_FILE, "mlruns.db", "mlartifacts", "wandb"} <= owned_entries(run_dir)  # --overwrite removes them
+    assert {RECORD_FILE, "wandb"} <= owned_entries(run_dir)  # --overwrite removes them
+    assert not (run_dir / "mlruns.db").exists()  # $MLFLOW_TRACKING_URI wins
 
-    # MLflow: the run in the run folder's sqlite store, each metric's history equal to the JSONL's rows
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlruns.db'}")
+    # MLflow: the run in the user's store, each metric's history equal to the JSONL's rows
+    client = MlflowClient(tracking_uri=store)
     (run,) = client.search_runs([client.get_experiment_by_name("pretune").experiment_id])
     assert run.info.run_name == "run" and run.info.status == "FINISHED"
     assert run.data.tags["pretune.job"] == "finetune" and run.data.tags["pretune.group"] == "g1"
@@ -217,7 +223,8 @@ def sentences_data(tmp_path):
 
 
 @pytest.mark.slow  # its own sqlite store and two runs (about 15 s on 2 cores)
-def test_a_resumed_run_goes_on_in_the_same_tracked_runs(tmp_path, small_corpus, tokenizers_by_kind, tracker_env):
+def test_the_run_folders_store_and_a_resumed_run_goes_on_in_the_same_tracked_runs(tmp_path, small_corpus,
+                                                                                  tokenizers_by_kind, tracker_env):
     from mlflow.tracking import MlflowClient
 
     def cfg(steps):
@@ -230,6 +237,7 @@ def test_a_resumed_run_goes_on_in_the_same_tracked_runs(tmp_path, small_corpus, 
 
     pretrain(cfg(2), **QUIET)
     first = json.loads((tmp_path / "run" / RECORD_FILE).read_text())
+    assert {"mlruns.db", "mlartifacts", "wandb"} <= owned_entries(tmp_path / "run")  # --overwrite removes them
     pretrain(cfg(4), resume=True, **QUIET)  # a longer run, continued from its step-2 checkpoint
     again = json.loads((tmp_path / "run" / RECORD_FILE).read_text())
     assert again["mlflow"] == first["mlflow"] and again["wandb"]["id"] == first["wandb"]["id"]
@@ -240,6 +248,7 @@ def test_a_resumed_run_goes_on_in_the_same_tracked_runs(tmp_path, small_corpus, 
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
         (r["step"], r["loss"]) for r in rows] and [r["step"] for r in rows] == [1, 2, 3, 4]
     assert run.data.params["train.steps"] == "2"  # parameters stay as first logged; run.yaml holds the new ones
+    assert "run.yaml" in {f.path for f in client.list_artifacts(run.info.run_id)}  # the artifacts: in mlartifacts/
     # W&B offline cannot reopen a run: the second part is a second folder under the same run id (wandb sync both)
     folders = sorted(str(p) for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert folders == sorted([first["wandb"]["dir"], again["wandb"]["dir"]]) and len(set(folders)) == 2
