@@ -50,6 +50,7 @@ examples:
   pretune sweep configs/sweep/lora-lr.yaml --jobs 2
   pretune sweep configs/sweep/lora-lr.yaml --dry-run           list the trials (configs checked), run nothing
   pretune sweep spec.yaml --executor slurm --slurm-partition gpu --slurm-gpus 1 --slurm-time 2:00:00 --jobs 16
+  pretune sweep spec.yaml --executor slurm --slurm-nodes 2 --slurm-gpus 8      each trial torchrun on 2 nodes
 see docs/sweep.md
 """
 
@@ -81,6 +82,9 @@ def add_sweep_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--slurm-cpus", type=int, metavar="N", help="CPU cores per trial (and its torch threads)")
     g.add_argument("--slurm-mem", type=float, metavar="GB", help="memory per trial in GB")
     g.add_argument("--slurm-account", metavar="NAME", help="account to charge")
+    g.add_argument("--slurm-nodes", type=int, metavar="N", help="nodes per trial: each trial is a torchrun launch on "
+                   "N nodes (one task per node, the rendezvous on the allocation's first node, --slurm-gpus processes "
+                   "per node, else 1); with --executor local, N launchers on this machine (docs/distributed.md)")
     g.add_argument("--slurm-param", action="append", metavar="KEY=VALUE", default=[],
                    help="any other submitit parameter, e.g. slurm_qos=high or slurm_constraint=a100 (repeatable)")
     s.set_defaults(func=cmd_sweep)
@@ -116,7 +120,8 @@ def cluster_parameters(args) -> dict:
     if args.slurm_time:
         params["timeout_min"] = int(round(minutes(args.slurm_time)))
     for flag, key in (("slurm_partition", "slurm_partition"), ("slurm_gpus", "gpus_per_node"),
-                      ("slurm_cpus", "cpus_per_task"), ("slurm_mem", "mem_gb"), ("slurm_account", "slurm_account")):
+                      ("slurm_cpus", "cpus_per_task"), ("slurm_mem", "mem_gb"), ("slurm_account", "slurm_account"),
+                      ("slurm_nodes", "nodes")):
         if getattr(args, flag) is not None:
             params[key] = getattr(args, flag)
     for item in args.slurm_param:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..io.outputs import MARKER, check_folder, claim, clean_run_folder, owned_entries, write_atomic
+from .nodes import launch_settings
 from .report import REPORT_FILES, SweepResult, trial_metrics, write_report
 from .spec import (
     TRACKING_DIR,
@@ -104,7 +105,7 @@ class Submitit:
     """Trials as submitit jobs: ``cluster="local"`` (its local executor) or ``"slurm"``; ``params`` go to
     ``AutoExecutor.update_parameters`` (timeout_min, slurm_partition, gpus_per_node, cpus_per_task, ...)."""
 
-    def __init__(self, folder: Path, cluster: str, params: dict):
+    def __init__(self, folder: Path, cluster: str, params: dict, *, launch: dict | None = None):
         try:
             import submitit
         except ImportError:
@@ -115,17 +116,24 @@ class Submitit:
             self.executor.update_parameters(**params)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"--executor {cluster}: submitit refused the parameters {params}: {e}") from None
+        self.launch = launch  # multi-node trials (--slurm-nodes): nodes.launch_settings
 
     def start(self, argv: list[str], env: dict, log_path: Path):
-        job = self.executor.submit(run_command, argv, env=env, log_path=str(log_path.resolve()), cwd=os.getcwd())
+        if self.launch:  # every task (one per node) starts its node's torchrun launcher
+            from .nodes import run_on_nodes
+
+            job = self.executor.submit(run_on_nodes, argv, env=env, log_path=str(log_path.resolve()), cwd=os.getcwd(),
+                                       nproc_per_node=self.launch["nproc_per_node"], host=self.launch["host"])
+        else:
+            job = self.executor.submit(run_command, argv, env=env, log_path=str(log_path.resolve()), cwd=os.getcwd())
         return job, log_path
 
     def poll(self, handle) -> int | None:
         job, log_path = handle
         if not job.done():
             return None
-        try:
-            return int(job.result()["returncode"])
+        try:  # one result per task: a multi-node trial's nodes, the first failure counts
+            return next((int(r["returncode"]) for r in job.results() if r["returncode"]), 0)
         except Exception as e:  # noqa: BLE001 - the job itself failed (killed, timed out, node lost): say so in its log
             with open(log_path, "a") as f:
                 f.write(f"\nsubmitit job {job.job_id} failed (its files: {job.paths.folder}):\n{e}\n")
@@ -298,7 +306,8 @@ def run_sweep(spec: str | Path | dict | SweepSpec, *, out: str | None = None, jo
         threads: torch threads per trial (``train.threads``, OMP_NUM_THREADS); default ``max(1, cores // jobs)``
             (slurm: ``cluster["cpus_per_task"]``, else 1).
         cluster: submitit parameters (``timeout_min``, ``slurm_partition``, ``gpus_per_node``,
-            ``cpus_per_task``, ``mem_gb``, ``slurm_account``, ...) for ``local`` / ``slurm``.
+            ``cpus_per_task``, ``mem_gb``, ``slurm_account``, ...) for ``local`` / ``slurm``; ``nodes``: each trial
+            a torchrun launch on that many nodes (:mod:`pretune.sweep.nodes`).
         overwrite: start over in a folder that holds an earlier sweep (what it wrote is removed, nothing else).
         show_progress: the live table (rich) on stderr.
         log: where the progress lines go (a line per finished trial; ``print`` by default).
@@ -314,8 +323,10 @@ def run_sweep(spec: str | Path | dict | SweepSpec, *, out: str | None = None, jo
         raise ConfigError(f"jobs={jobs}: expected at least 1 trial at a time")
     spec, trials = plan(spec, out=out)
     cluster = dict(cluster or {})
+    launch = launch_settings(cluster, executor=executor, command=spec.command)  # --slurm-nodes: torchrun trials
     if threads is None:
         threads = max(1, cores() // jobs) if executor != "slurm" else int(cluster.get("cpus_per_task", 1))
+        threads = max(1, threads // (launch["per_machine"] if launch else 1))  # the processes sharing a machine
     if threads < 1:
         raise ConfigError(f"threads={threads}: expected at least 1")
     out = _open_folder(spec, trials, overwrite=overwrite, log=log)
@@ -337,7 +348,7 @@ def run_sweep(spec: str | Path | dict | SweepSpec, *, out: str | None = None, jo
         cluster.setdefault("timeout_min", 24 * 60)
         if executor == "slurm":
             cluster.setdefault("cpus_per_task", threads)
-        launcher = Submitit(out / "submitit", executor, cluster)
+        launcher = Submitit(out / "submitit", executor, cluster, launch=launch)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     table = _Table(spec, trials, state, enabled=show_progress)
     for t in trials:
