@@ -73,3 +73,22 @@ def test_a_bad_restart_count_is_named(monkeypatch, value):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", value)
     with pytest.raises(ConfigError, match=f"TORCHELASTIC_RESTART_COUNT='{value}': expected a whole number"):
         elastic.restart_count()
+
+
+def test_torchrun_sharing_its_store_with_processes_it_may_restart_is_warned_about(tmp_path, monkeypatch):
+    """pytorch/pytorch#135712: with the rendezvous store shared (torchrun's default), a restarted process may read
+    its lost peer's address; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (TORCHELASTIC_USE_AGENT_STORE=False) avoids it."""
+    from pretune.train.dist import DistInfo
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    lines = []
+    assert elastic.restart_mode(tmp_path, DistInfo(), resume=False, overwrite=False, log=lines.append) == (False,
+                                                                                                          False)
+    assert lines == [elastic.SHARED_STORE] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in lines[0]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert not elastic.shares_store()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # nothing restarts: nothing to warn about
+    assert not elastic.shares_store()
