@@ -92,3 +92,15 @@ def test_torchrun_sharing_its_store_with_processes_it_may_restart_is_warned_abou
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # nothing restarts: nothing to warn about
     assert not elastic.shares_store()
+
+
+def test_a_run_stopped_while_preparing_under_torchrun_starts_again_without_a_flag(tmp_path):
+    """Killed before its first step (the launch recorded, the token store written, no run.yaml yet): a new start
+    needs no --overwrite, as a run stopped while preparing outside torchrun."""
+    from pretune.io.outputs import check_folder, mark
+
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / LAUNCH_FILE).write_text(json.dumps({"agents": ["node-a:100"]}))
+    mark(run, ["data", LAUNCH_FILE])
+    assert check_folder(run, what="run") == run

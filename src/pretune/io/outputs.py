@@ -26,8 +26,9 @@ from typing import BinaryIO
 from ..config import ConfigError
 
 MARKER = ".pretune.json"
-__all__ = ["MARKER", "OutputError", "write_atomic", "check_folder", "check_file", "owned_entries", "run_entries",
-           "mark", "claim", "clean_run_folder", "prepare_run_folder", "RUN_ENTRIES"]
+LAUNCH_FILE = ".torchrun.json"  # which torchrun launch runs a run folder's run (pretune.train.elastic)
+__all__ = ["MARKER", "LAUNCH_FILE", "OutputError", "write_atomic", "check_folder", "check_file", "owned_entries",
+           "run_entries", "mark", "claim", "clean_run_folder", "prepare_run_folder", "RUN_ENTRIES"]
 
 # what a pretraining or finetuning run writes into its folder (what --overwrite may remove; data/, the token store,
 # is a cache keyed by its inputs and stays)
@@ -115,7 +116,7 @@ def check_folder(path: str | os.PathLike, *, overwrite: bool = False, resume: bo
                           f"{flag} (which removes what the run wrote there, nothing else), or choose another folder")
     owned = run_entries(path)
     foreign = [e for e in entries if e not in owned and e != MARKER]
-    if what == "run" and not foreign and set(entries) <= {"data", MARKER}:
+    if what == "run" and not foreign and set(entries) <= {"data", MARKER, LAUNCH_FILE}:
         return path  # only a run's token-store cache (keyed by its inputs, reused): a run stopped while preparing
     if not overwrite:
         shown = ", ".join(foreign[:5] or entries[:5]) + (" ..." if len(foreign or entries) > 5 else "")

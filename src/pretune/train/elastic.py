@@ -21,9 +21,9 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from ..io.outputs import LAUNCH_FILE
 from .dist import DistInfo, all_gather_objects
 
-LAUNCH_FILE = ".torchrun.json"
 __all__ = ["LAUNCH_FILE", "SHARED_STORE", "restart_count", "launch_key", "shares_store", "restart_mode", "decide",
            "record_launch"]
 
