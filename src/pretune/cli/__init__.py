@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pretune {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from .bench import add_bench_parser
+    from .chat import add_chat_parser
     from .data import add_data_parsers
     from .embed import add_embed_parser
     from .experiment import add_experiment_parser
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for add in (add_model_parsers, add_bench_parser, add_data_parsers, add_pretrain_parsers, add_finetune_parsers,
                 add_embed_parser, add_peft_parser, add_prompt_parser, add_generate_parser, add_sweep_parser,
-                add_experiment_parser, add_quickstart_parser, add_serve_parser):
+                add_experiment_parser, add_quickstart_parser, add_serve_parser, add_chat_parser):
         add(sub)
     return p
 
