@@ -51,6 +51,7 @@ class Server:
         self.model = loaded.model.eval().requires_grad_(False)
         self.tok = loaded.tokenizer
         self.name = name or Path(loaded.path).name
+        self.family = _family(loaded)
         self.adapters = {}  # request name -> adapter name in the model
         if adapters:
             from ..peft import load_adapter
@@ -88,7 +89,8 @@ class Server:
         """What the model is: family, parameters, precision (GET /v1/models' entries carry it)."""
         cfg = self.model.config
         p = next(self.model.parameters())
-        return {"arch": cfg.arch, "layers": cfg.n_layers, "dim": cfg.dim, "vocab_size": cfg.vocab_size,
+        return {"family": self.family, "arch": cfg.arch, "layers": cfg.n_layers, "dim": cfg.dim,
+                "vocab_size": cfg.vocab_size,
                 "context": self.context, "parameters": sum(t.numel() for t in self.model.parameters()),
                 "dtype": str(p.dtype).replace("torch.", ""), "chat_template": self.chat_source is not None}
 
@@ -123,6 +125,21 @@ class Server:
 
     def token_text(self, i: int) -> str:
         return self.tok.decode([i])
+
+
+def _family(loaded) -> str:
+    """The model's family for the model card: a Hugging Face folder's model_type (an adapter's base's), else
+    "pretune"."""
+    for folder in (loaded.path, loaded.base):
+        config = Path(folder or "") / "config.json"
+        if folder is not None and config.is_file():
+            try:
+                kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+            except (OSError, ValueError):
+                kind = None
+            if isinstance(kind, str):
+                return kind
+    return "pretune"
 
 
 # ------------------------------------------------------------------------------------------------ one request's run

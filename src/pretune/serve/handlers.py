@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
+from importlib import resources
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..generation.prompt import apply_chat_template
@@ -65,6 +66,11 @@ def build_app(server: Server) -> FastAPI:
 
 def add_routes(app: FastAPI, server: Server) -> None:
     embed_lock = threading.Lock()
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        """The chat page (static/chat.html): one file, no CDN."""
+        return HTMLResponse(resources.files("pretune.serve").joinpath("static/chat.html").read_text("utf-8"))
 
     @app.get("/health")
     async def health():
