@@ -60,13 +60,22 @@ def _run(engine, specs, cancel_after=None):
     return out
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["ragged-step", "forward-per-row"])
-def test_every_sequence_equals_itself_alone(tiny, fast):
-    model = tiny if fast else pretune.build_model(tiny.config, fast=False).eval().requires_grad_(False)
-    if not fast:
+@pytest.mark.parametrize("mode", ["ragged-step", "forward-per-row", "bf16"])
+def test_every_sequence_equals_itself_alone(tiny, mode):
+    """ragged-step: fp32 through oneDNN, any M >= 2; forward-per-row: the reference model (no flat step);
+    bf16: the products through F.linear at a fixed M = max_batch."""
+    model = tiny
+    if mode == "forward-per-row":
+        model = pretune.build_model(tiny.config, fast=False).eval().requires_grad_(False)
         model.load_state_dict(tiny.state_dict())
+    elif mode == "bf16":
+        model = pretune.build_model(tiny.config).eval().requires_grad_(False)
+        model.load_state_dict(tiny.state_dict())
+        model.to(torch.bfloat16)
     engine = Engine(model, max_batch=6)
-    assert (engine.step_fn is not None) == fast
+    assert (engine.step_fn is not None) == (mode != "forward-per-row")
+    if engine.step_fn is not None:
+        assert engine.step_fn.min_rows == (2 if mode == "ragged-step" else 6)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 97, (n,), generator=g).tolist() for n in (1, 5, 9, 14, 3, 30, 7, 2)]
     specs = [(p, 0.0 if i % 2 else 1.0, i, 6 + 4 * i) for i, p in enumerate(prompts)]
