@@ -8,6 +8,7 @@ Public API::
     loaded = pretune.load_pretrained("runs/ft/model")        # .model, .tokenizer, .task, .kind
     model = pretune.from_hf("hf_folder/"); pretune.to_hf(model, "exported/")
     ids = pretune.generate(model, prompt_ids, max_new_tokens=20)
+    model = pretune.quantize(model, "int8")                  # int8 / int4 weights for CPU decoding (in place)
 
     tok = pretune.train_tokenizer(["corpus.txt.gz"], kind="wordpiece", vocab_size=8000); tok.save("tok.json")
     cfg = pretune.load_run_config("configs/pretrain/bert-mlm.yaml", ["tokenizer=tok.json", "data.train=[c.txt]"])
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {  # public name -> the module that defines it
     "build_model": "pretune.model", "TransformerLM": "pretune.model", "ModelOutput": "pretune.model",
-    "KVCache": "pretune.model", "count_parameters": "pretune.model",
+    "KVCache": "pretune.model", "count_parameters": "pretune.model", "quantize": "pretune.model",
     "load": "pretune.loading", "load_pretrained": "pretune.loading", "Pretrained": "pretune.loading",
     "save": "pretune.io.checkpoint", "CheckpointError": "pretune.io.checkpoint",
     "ConfigError": "pretune.config", "ModelConfig": "pretune.config",
@@ -73,6 +74,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .io.tokenization import Tokenizer, load_tokenizer, train_tokenizer
     from .jobs.pretrain import load_run_config, pretrain
     from .loading import Pretrained, load, load_pretrained
-    from .model import KVCache, ModelOutput, TransformerLM, build_model, count_parameters
+    from .model import KVCache, ModelOutput, TransformerLM, build_model, count_parameters, quantize
     from .presets import PRESETS, get_preset, preset_names
     from .runconfig import RunConfig

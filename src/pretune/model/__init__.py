@@ -12,12 +12,14 @@ from ..config import TASK_HEADS, ModelConfig
 from ..hooks import HOOKS
 from . import fast as _fast
 from .cache import KVCache
+from .fast.quantized import QuantizedLinear, dequantize, quantize, quantized_bytes
 from .heads import HEADS, LMHead, Pooler
 from .transformer import Transformer
 
 IGNORE = -100  # label of a position that has no target (transformers' ignore_index)
 
-__all__ = ["TransformerLM", "ModelOutput", "KVCache", "build_model", "count_parameters"]
+__all__ = ["TransformerLM", "ModelOutput", "KVCache", "build_model", "count_parameters", "quantize", "dequantize",
+           "QuantizedLinear", "quantized_bytes"]
 
 
 @dataclass

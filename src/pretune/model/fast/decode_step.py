@@ -42,6 +42,7 @@ from .attention import FastAttention
 from .cache import FastKVCache
 from .fused_ce import FastLMHead
 from .layers import _SIGNS, FastFeedForward, FastRMSNorm
+from .quantized import QuantizedLinear, shared_joint
 
 _NORMS = (FastRMSNorm, nn.LayerNorm, nn.Identity)  # FastRMSNorm covers FastRMSNormPlusOne (a subclass)
 
@@ -80,7 +81,7 @@ class _Layer:
     __slots__ = ("norm1", "norm1_rows", "norm2_rows",
                  "qkv_w", "qkv_b", "o_w", "o_b", "o", "heads", "kv_heads", "dh", "norm2",
                  "gated", "act", "up_w", "up_b", "down_w", "down_b", "ffn", "local", "project", "attend", "post1",
-                 "post2", "drop1", "drop2")
+                 "post2", "drop1", "drop2", "qkv_mm", "up_mm", "down_mm")
 
     def __init__(self, block: Block, local: bool):
         attn, ffn = block.attn, block.ffn
@@ -96,11 +97,16 @@ class _Layer:
         self.drop2 = None if type(block.ffn_drop) is Dropout else block.ffn_drop.forward
         # the attention's own general projection (q, k, v as (B, heads, T, Dh)) where its fused path does not apply:
         # per-head q/k norms (Qwen3), wrapped projections (LoRA, (IA)3), biases on some of q/k/v only
-        self.project = None
-        if attn.q_norm is not None or not _plain(attn.q_proj, attn.k_proj, attn.v_proj):
+        # quantised projections (``pretune.quantize``): q/k/v as their stacked quantised matrix, one kernel call
+        self.project, self.qkv_mm, self.qkv_w, self.qkv_b = None, None, None, None
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        joint = shared_joint(qkv)
+        if attn.q_norm is not None or not (_plain(*qkv) or joint is not None):
             self.project = attn.project
+        elif joint is not None:
+            self.qkv_mm = joint.forward
         else:
-            self.qkv_w, self.qkv_b = attn._qkv.weights((attn.q_proj, attn.k_proj, attn.v_proj))
+            self.qkv_w, self.qkv_b = attn._qkv.weights(qkv)
         # the attention itself: the attention's own method (SDPA; the one-query kernel in bf16; the eager path for
         # soft-capped scores, Gemma 2)
         self.attend = attn.attend
@@ -110,14 +116,27 @@ class _Layer:
         self.heads, self.kv_heads, self.dh = attn.n_heads, attn.n_kv_heads, attn.dh
         self.gated, self.act = ffn.gate_proj is not None, ffn.act
         fused = (ffn.gate_proj, ffn.up_proj) if self.gated else (ffn.up_proj,)
-        self.ffn = None if _plain(*fused) and type(ffn.down_proj) is nn.Linear else ffn.forward  # wrapped: its own
-        if self.ffn is None:
+        quantized = _quantized_mm(fused), _quantized_mm((ffn.down_proj,))  # (gate/up, down) or None
+        self.up_mm, self.down_mm = quantized if None not in quantized else (None, None)
+        self.up_w = self.up_b = self.down_w = self.down_b = None
+        plain = _plain(*fused) and type(ffn.down_proj) is nn.Linear
+        self.ffn = None if plain or self.up_mm is not None else ffn.forward  # wrapped (or mixed): its own forward
+        if plain:
             if self.gated:
                 self.up_w, self.up_b = ffn._gate_up.weights(fused)
             else:
                 self.up_w, self.up_b = ffn.up_proj.weight, ffn.up_proj.bias
             self.down_w, self.down_b = ffn.down_proj.weight, ffn.down_proj.bias
         self.local = local
+
+
+def _quantized_mm(linears: tuple[nn.Module, ...]):
+    """The forward of the quantised matrix computing ``linears`` (one layer, or a stacked group in order) in one
+    kernel call, or None."""
+    if len(linears) == 1 and isinstance(linears[0], QuantizedLinear) and linears[0].joint is None:
+        return linears[0].forward
+    joint = shared_joint(linears)
+    return joint.forward if joint is not None else None
 
 
 def _rows(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -194,7 +213,8 @@ class FlatDecoder:
         # the plain projections and the head through oneDNN's matrix-vector kernel (fp32 weights, contiguous)
         plain = [w for layer in self.layers for w in (
             *((layer.qkv_w,) if layer.project is None else ()), *((layer.o_w,) if layer.o is None else ()),
-            *((layer.up_w, layer.down_w) if layer.ffn is None else ()))] + ([self.head_wb[0]] if self.head_wb else [])
+            *((layer.up_w, layer.down_w) if layer.ffn is None else ())) if w is not None] + (
+            [self.head_wb[0]] if self.head_wb else [])  # (quantised ones are None: their own kernels)
         self.onednn = not exact and _LINEAR_POINTWISE is not None and all(
             w.dtype == torch.float32 and w.is_cpu and w.is_contiguous() for w in plain)
         # every norm an RMSNorm: a step outside autograd carries the residual stream as the rows (x, -x) (B, 2, dim),
@@ -286,7 +306,7 @@ class FlatDecoder:
             else:
                 h = layer.norm1(x)
             if layer.project is None:  # the fused path: one token's heads, head-major (B, H + 2 Hkv, 1, Dh)
-                y = linear(h, layer.qkv_w, layer.qkv_b)
+                y = linear(h, layer.qkv_w, layer.qkv_b) if layer.qkv_mm is None else layer.qkv_mm(h)
                 y = y.view(B, -1, 1, dh) if rotate is None else rotate.step(y, H + Hkv, dh)
                 kv = y.narrow(1, H, 2 * Hkv)  # (B, 2 Hkv, 1, Dh): keys, then values
                 k, v = lc.write_heads(kv) if fast_cache else lc.append(kv.narrow(1, 0, Hkv), kv.narrow(1, Hkv, Hkv))
@@ -315,13 +335,13 @@ class FlatDecoder:
             if layer.ffn is not None:  # a wrapped projection: the FFN's own forward
                 h = layer.ffn(h)
             else:
-                h = linear(h, up_w, up_b)
+                h = linear(h, up_w, up_b) if layer.up_mm is None else layer.up_mm(h)
                 if layer.gated:
                     gate, up = h.chunk(2, dim=-1)
                     h = layer.act(gate) * up
                 else:
                     h = layer.act(h)
-                h = linear(h, down_w, down_b)
+                h = linear(h, down_w, down_b) if layer.down_mm is None else layer.down_mm(h)
             if layer.post2 is not None:
                 h = layer.post2(h)
             h = h if layer.drop2 is None else layer.drop2(h)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import WrappedLinear
+from .quantized import shared_joint
 
 
 class FusedLinears:
@@ -37,6 +38,10 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor, layers) -> list[torch.Tensor]:
         bases = [p.base_layer if isinstance(p, WrappedLinear) else p for p in layers]
+        joint = shared_joint(bases)  # quantised as one stacked matrix (model/fast/quantized.py)
+        if joint is not None and all(p is b or p.fusable for p, b in zip(layers, bases)):
+            ys = joint(x).split([base.out_features for base in bases], dim=-1)
+            return [y if p is base else p.adjust(x, y) for p, base, y in zip(layers, bases, ys)]
         if (any(type(b) is not nn.Linear or (isinstance(p, WrappedLinear) and not p.fusable)
                 for p, b in zip(layers, bases))
                 or len({b.bias is None for b in bases}) > 1):  # (some with a bias, some without: rare, unfused)
@@ -47,6 +52,9 @@ class FusedLinears:
     def joined(self, x: torch.Tensor, layers) -> torch.Tensor | None:
         """The layers' outputs side by side, (..., sum of out_features), from one matmul; None when a layer is
         wrapped (a LoRA or (IA)3 adjusts its own slice: run ``__call__``) or the biases differ."""
+        joint = shared_joint(layers)  # quantised as one stacked matrix
+        if joint is not None:
+            return joint(x)
         if any(type(p) is not nn.Linear for p in layers) or len({p.bias is None for p in layers}) > 1:
             return None
         return self._matmul(x, layers)
