@@ -66,10 +66,19 @@ def _diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, pretrain_args):
+    """The pretraining run in one process: the reference of DDP and FSDP alike (one process has no wrapper either
+    way; FSDP's sharded checkpoints do not change the arithmetic)."""
+    one = tmp_path_factory.mktemp("one") / "run"
+    _run(pretrain_args(one))
+    return one
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_nodes_pretrain_as_one_process_and_a_lost_worker_resumes_bitwise(tmp_path, pretrain_args, parallel):
-    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
-    _run(pretrain_args(one, f"train.parallel={parallel}"))
+def test_two_nodes_pretrain_as_one_process_and_a_lost_worker_resumes_bitwise(tmp_path, pretrain_args, one_process,
+                                                                             parallel):
+    one, two, killed = one_process, tmp_path / "two", tmp_path / "killed"
     _ok(_nodes(pretrain_args(two, f"train.parallel={parallel}"), tmp_path))
     a, b = _curve(two), _curve(one)
     assert len(a) == 10 and a.keys() == b.keys()
@@ -104,11 +113,11 @@ def test_two_nodes_finetune_as_one_process(tmp_path, finetune_args, parallel, pe
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_an_elastic_launch_that_loses_a_node_goes_on_with_one(tmp_path, pretrain_args, parallel):
+def test_an_elastic_launch_that_loses_a_node_goes_on_with_one(tmp_path, pretrain_args, one_process, parallel):
     """``--nnodes 1:2``: node 1's agent and worker SIGKILLed after step 5, torchrun restarts node 0 alone. FSDP
     re-cuts the step-4 checkpoint of 2 processes for 1 and ends within 1e-5 of one process's run; DDP refuses,
     naming the number of processes to resume with, and the run folder keeps its checkpoints."""
-    one, run = tmp_path / "one", tmp_path / "elastic"
+    one, run = one_process, tmp_path / "elastic"
     rcs, out0, out1 = _nodes(pretrain_args(run, f"train.parallel={parallel}"), tmp_path, mode="node", at=5,
                              nnodes="1:2", restarts=1, last_call=5)
     out = out0 + "\n--- node 1 ---\n" + out1
@@ -122,7 +131,6 @@ def test_an_elastic_launch_that_loses_a_node_goes_on_with_one(tmp_path, pretrain
         return
     assert rcs[0] == 0, out[-6000:]
     assert "resuming a checkpoint of 2 process(es) with 1" in out0 and "resumed from step 4" in out0
-    _run(pretrain_args(one, f"train.parallel={parallel}"))
     a, b = _curve(run), _curve(one)
     assert a.keys() == b.keys() and len(a) == 10
     assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
