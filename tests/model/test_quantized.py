@@ -135,3 +135,39 @@ def test_bad_values_are_named():
         pretune.quantize(model, "int8", head="fp8")
     with pytest.raises(ValueError, match=r"int4 group size 48"):
         pretune.quantize(model, "int4", group=48)
+
+
+def test_cli_quantize_flag(tokenizers_by_kind, tmp_path, capsys):
+    """generate --quantize int8 writes what pretune.quantize + generate give; evaluate and prompt take the flag; bad
+    values and combinations are refused by name."""
+    import json
+
+    from pretune.cli import main
+    from pretune.cli.generate import _text
+    from pretune.generation.scoring import prompt_ids
+    from pretune.io.tokenization import Tokenizer
+
+    tok = Tokenizer.load(tokenizers_by_kind["bpe"])
+    torch.manual_seed(0)
+    model = pretune.build_model("tiny-llama", vocab_size=tok.vocab_size, dropout=0.0, attn_dropout=0.0)
+    folder = tmp_path / "m"
+    pretune.save(model, folder, tokenizer=tok.tk)
+    out = tmp_path / "gen.jsonl"
+    assert main(["generate", str(folder), "It is a truth", "--max-new-tokens", "5", "--min-new-tokens", "5",
+                 "--quantize", "int8", "--out", str(out), "--no-stream"]) == 0
+    got = json.loads(out.read_text())["generated"][0]
+    q = pretune.quantize(pretune.load(folder).eval().requires_grad_(False), "int8")
+    ids = torch.tensor([prompt_ids("It is a truth", tok, q)])
+    eos = q.config.eos_token_id if q.config.eos_token_id is not None else tok.eos_id
+    pad = tok.pad_id if tok.pad_id is not None else eos
+    new = generate(q, ids, max_new_tokens=5, min_new_tokens=5, eos_token_id=eos, pad_token_id=pad)[0, ids.shape[1]:]
+    assert got == _text(new.tolist(), tok, eos, pad)
+
+    with pytest.raises(SystemExit):
+        main(["generate", str(folder), "x", "--quantize", "int3"])
+    assert "invalid choice: 'int3' (choose from int8, int4)" in capsys.readouterr().err.replace("'int8', 'int4'",
+                                                                                                  "int8, int4")
+    assert main(["generate", str(folder), "x", "--quantize", "int4", "--device", "cuda"]) == 2
+    assert "--quantize int4 runs PyTorch's CPU kernels: use --device cpu" in capsys.readouterr().err
+    assert main(["generate", str(folder), "x", "--quantize", "int8", "--dtype", "fp16"]) == 2
+    assert "--quantize int8 computes in fp32 or bf16, not fp16" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import catalog
 from .flags import FINETUNE_FLAGS, add_run_options, config_layer, is_worker
+from .quantize import add_quantize_argument
 
 FINETUNE_EPILOG = f"""tasks and the record fields they read (rename with task.<x>_field=NAME):
 {catalog.listing(catalog.TASKS)}
@@ -60,6 +61,7 @@ def add_finetune_parsers(sub) -> None:
                        help="task setting override, e.g. --set text_field=sentence (repeatable)")
         s.add_argument("--batch-size", type=int, default=64, help="examples per forward pass (default 64)")
         s.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="inference precision")
+        add_quantize_argument(s)
         s.add_argument("--quiet", action="store_true", help="no progress bars")
         s.set_defaults(func=cmd_evaluate if name == "evaluate" else cmd_predict)
 
@@ -123,7 +125,7 @@ def cmd_evaluate(args) -> int:
     with setting_form(SET_FORM):
         metrics = evaluate(args.model, args.data, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                            precision=args.precision, show_progress=not args.quiet, base=args.base or "",
-                           reference=args.reference or "")
+                           reference=args.reference or "", quantize=args.quantize)
     print(format_scores(Path(args.data).name, metrics))
     if args.json:
         from ..io.outputs import write_atomic
@@ -142,6 +144,6 @@ def cmd_predict(args) -> int:
     with setting_form(SET_FORM):
         n = predict(args.model, args.data, args.out, task_overrides=_task_overrides(args), batch_size=args.batch_size,
                     precision=args.precision, show_progress=not args.quiet, base=args.base or "", scores=args.scores,
-                    reference=args.reference or "")
+                    reference=args.reference or "", quantize=args.quantize)
     print(f"wrote {n} predictions to {args.out}")
     return 0

@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from .quantize import add_quantize_argument, apply_quantize, check_quantize
+
 GENERATE_DESCRIPTION = (
     "Generate text with a decoder or encoder-decoder LM (a pretune checkpoint folder or a Hugging Face folder "
     "with its tokenizer): greedy by default, sampling with --do-sample (--temperature, --top-k, --top-p, --seed), "
@@ -75,6 +77,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per batch (default 8)")
     s.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights' dtype (default fp32)")
     s.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda when available)")
+    add_quantize_argument(s)
     s.add_argument("--compile", action="store_true",
                    help="decode with a fixed-shape KV cache and a torch.compile'd step (needs a C++ compiler on the "
                    "CPU): the first batch of each size and length bucket compiles (about a minute for a 135M model, "
@@ -152,6 +155,8 @@ def cmd_generate(args) -> int:
         check_file(args.out, overwrite=args.overwrite, what="output file")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    check_quantize(args.quantize, device=device, dtype=args.dtype, compile=args.compile)
     if sys.stderr.isatty():  # a progress note, like a bar: only on a terminal
         print(f"loading {args.model} …", file=sys.stderr, flush=True)
     loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
@@ -160,7 +165,7 @@ def cmd_generate(args) -> int:
     if not layout.writes_text:
         raise ConfigError(f"{args.model} is an {layout.name} model ({model.config.arch}): it reads text but writes "
                           "none; generate needs a decoder or an encoder-decoder with an LM head")
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    apply_quantize(model, args.quantize)  # (from the fp32 weights, before any cast)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     # frozen: only run, so its stacked q/k/v and gate/up weights are its storage, not a second copy
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)

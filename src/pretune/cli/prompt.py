@@ -27,6 +27,7 @@ from ..generation.prompt import (
     random_labels,
     select_shots,
 )
+from .quantize import add_quantize_argument, apply_quantize, check_quantize
 
 PROMPT_DESCRIPTION = (
     "Evaluate a prompt on a labelled JSONL/CSV/TSV/Parquet file with a decoder (or encoder-decoder) LM, without "
@@ -168,6 +169,7 @@ def add_prompt_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=8, metavar="N", help="prompts per forward pass (default 8)")
     g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
     g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="inference precision")
+    add_quantize_argument(g)
     s.set_defaults(func=cmd_prompt)
     return s
 
@@ -254,9 +256,11 @@ def cmd_prompt(args) -> int:
     for r in records[:1]:
         template.check(r)
 
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    check_quantize(args.quantize, device=device)
     loaded = load_pretrained(args.model, tokenizer=args.tokenizer or None, base=args.base)
     model, tok = loaded.model, loaded.tokenizer
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = apply_quantize(model, args.quantize)
     model.to(device).eval().requires_grad_(False)  # only run: frozen weights are held once (FusedLinears)
     chat = load_chat_template(loaded.folders) if args.chat else None
     common = dict(chat=chat, system=unescape(args.system), max_len=args.max_len,

@@ -118,12 +118,25 @@ def _run_start(model_dir: Path) -> str:
     return str(init or "")
 
 
+def _quantize(model, mode: str | None) -> None:
+    """int8 / int4 weights (``pretune.quantize``, CPU kernels) for scoring, when asked."""
+    if mode is None:
+        return
+    from ..model import quantize
+
+    if next(model.parameters()).device.type != "cpu":
+        raise ConfigError(f"--quantize {mode} runs PyTorch's CPU kernels; the model is on "
+                          f"{next(model.parameters()).device}")
+    quantize(model.eval().requires_grad_(False), mode)
+
+
 def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | None = None, batch_size: int = 64,
              precision: str = "fp32", show_progress: bool = True, errors: str = "strict", base: str = "",
-             reference: str = "") -> dict:
+             reference: str = "", quantize: str | None = None) -> dict:
     """The task's metrics of a finetuned model (or adapter folder) on a labelled file (``reference``: a preference
-    task's reference model, see :func:`attach_reference`)."""
+    task's reference model, see :func:`attach_reference`; ``quantize``: int8 / int4 weights, ``pretune.quantize``)."""
     model, tok, task = load_finetuned(model_dir, task_overrides, base=base, reference=reference)
+    _quantize(model, quantize)
     records = read_split(str(data), "evaluation", errors)
     metrics, _ = evaluate_task(task, model, records, batch_size=batch_size, precision=precision,
                                show_progress=show_progress)
@@ -132,11 +145,12 @@ def evaluate(model_dir: str | Path, data: str | Path, *, task_overrides: dict | 
 
 def predict(model_dir: str | Path, data: str | Path, out: str | Path, *, task_overrides: dict | None = None,
             batch_size: int = 64, precision: str = "fp32", show_progress: bool = True, errors: str = "strict",
-            base: str = "", scores: bool = False, reference: str = "") -> int:
+            base: str = "", scores: bool = False, reference: str = "", quantize: str | None = None) -> int:
     """Predictions for every record of ``data`` (labels not needed; a record that has one gets it beside its
     prediction as ``gold``) written to ``out`` as JSONL; ``scores``: each record's raw scores too; ``reference``: a
     preference task's reference model (see :func:`attach_reference`)."""
     model, tok, task = load_finetuned(model_dir, task_overrides, base=base, reference=reference)
+    _quantize(model, quantize)
     records = read_split(str(data), "prediction", errors)
     if show_progress:
         print(f"predicting {len(records)} records of {data} with {model_dir} ...", flush=True)
