@@ -610,3 +610,78 @@ def test_a_frozen_head_gives_no_weight_gradient_and_the_fast_head_takes_the_chun
     assert calls == [1] and model.head.weight.grad is None and h.grad is not None
     from pretune.model.heads import LMHead
     torch.testing.assert_close(got, LMHead.token_logprobs(model.head, h, t, 0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masking", ["none", "causal", "padding", "per-head", "keys-only"])
+def test_short_training_attention_is_sdpa_up_to_rounding_forward_and_backward(masking):
+    """The bf16 training attention for short rows (probabilities kept in bf16, batched matmuls over a kv head's
+    query heads) gives SDPA's output and gradients: no further from an fp32 reference than SDPA's own bf16 kernel
+    is (x2, + a small floor), for each kind of mask the model builds."""
+    import torch.nn.functional as F
+
+    from pretune.model.fast.attention import _causal_bias, _ShortAttention
+
+    torch.manual_seed(0)
+    B, H, Hkv, T, dh = 3, 6, 2, 7, 8
+    q, k, v = torch.randn(B, H, T, dh), torch.randn(B, Hkv, T, dh), torch.randn(B, Hkv, T, dh)
+    up = torch.randn(B, H, T, dh)
+    mask = {"none": None, "causal": _causal_bias(T, T, torch.float32, "cpu")[None, None].expand(B, 1, T, T),
+            "padding": torch.zeros(B, 1, T, T), "per-head": torch.randn(B, H, T, T),
+            "keys-only": torch.zeros(B, 1, 1, T)}[masking]
+    if masking in ("padding", "keys-only"):
+        mask[1, ..., :3] = torch.finfo(torch.bfloat16).min
+
+    def run(fn, dtype):
+        ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        m = mask.to(dtype) if mask is not None else None
+        out = fn(*ins, m)
+        grads = torch.autograd.grad((out.float() * up).sum(), ins)
+        return [out.float(), *(g.float() for g in grads)]
+
+    def sdpa(a, b, c, m):
+        return F.scaled_dot_product_attention(a, b, c, m, scale=0.3, enable_gqa=True)
+
+    want = run(sdpa, torch.float32)
+    theirs = run(sdpa, torch.bfloat16)
+    ours = run(lambda a, b, c, m: _ShortAttention.apply(a, b, c, m, 0.3), torch.bfloat16)
+    for o, t, w in zip(ours, theirs, want):
+        assert (o - w).abs().max() <= 2 * (t - w).abs().max() + 2e-2
+    f32 = run(lambda a, b, c, m: _ShortAttention.apply(a, b, c, m, 0.3), torch.float32)
+    for o, w in zip(f32, want):
+        torch.testing.assert_close(o, w, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_training_takes_the_short_attention_only_for_short_rows(monkeypatch):
+    """A bf16 autocast training step of a tiny decoder attends through the short path (its loss and gradients close
+    to the fp32 step's), and so does a forward without autograd, bitwise (a policy and its reference must agree);
+    above SHORT_ATTENTION_ELEMENTS it keeps SDPA."""
+    from decoder_fixtures import perturbed
+    from test_decode_step import tiny
+
+    import pretune.model.fast.attention as fast_attention
+
+    calls = []
+    real = fast_attention._ShortAttention.apply
+    monkeypatch.setattr(fast_attention._ShortAttention, "apply", lambda *a: calls.append(a[0].shape) or real(*a))
+    model = perturbed(tiny(n_layers=2)).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    assert calls == [(2, 4, 6, 8)] * 2
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss32 = model(ids, labels=ids).loss  # fp32: SDPA (causal, no mask)
+    loss32.backward()
+    assert len(calls) == 2 and abs(float(loss) - float(loss32)) < 2e-2 * float(loss32)
+    worst = max(float((g - p.grad).norm() / p.grad.norm().clamp(min=1e-12)) for g, p in zip(grads, model.parameters()))
+    assert worst < 0.05  # bf16 autocast against fp32: relative gradient error
+    model.zero_grad()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the same kernel without autograd
+        assert torch.equal(model.eval()(ids).logits, model.train()(ids).logits.detach())
+    assert len(calls) == 6
+    calls.clear()
+    monkeypatch.setattr(fast_attention, "SHORT_ATTENTION_ELEMENTS", 2 * 4 * 6 * 6 - 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels=ids).loss.backward()
+    assert calls == []

@@ -12,13 +12,22 @@ kv head's query heads against its keys as one matmul in fp32 (q and k upcast, so
 bf16 before the softmax, as SDPA's kernel keeps them), the mask added, the softmax in fp32, its probabilities in the
 values' dtype times the values. The same maths up to rounding; the forward and the flat decoding step
 (``decode_step.py``) both call it, so their logits stay bitwise equal.
+
+Training in bf16 on CPU with short rows. SDPA's CPU backward in bf16 is slow too: forward and backward of 32 rows of
+111 tokens (SmolLM2's 9 query and 3 kv heads; a GRPO step's completions) take ~3.5x as long as the same attention as
+batched matmuls with the probabilities kept in bf16 for the backward (:class:`_ShortAttention`, one thread on an AMD
+EPYC with AVX512-BF16: ~300 vs ~85 ms). Keeping the probabilities costs B x H x T x S x 2 bytes a layer (7 MB there),
+so :meth:`FastAttention.attend` takes this path only where that stays small (``SHORT_ATTENTION_ELEMENTS``), in bf16
+or fp16 on CPU, with or without autograd (without it, its forward alone is within ~1.5x of SDPA's either way, and
+the same kernel in both keeps a policy's log-probs equal to its reference's); longer rows keep SDPA's kernel, which
+holds no probabilities.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import Attention
+from ..attention import Attention, _causal_bias
 from .cache import FastLayerCache
 from .linears import FusedLinears
 
@@ -45,10 +54,20 @@ class FastAttention(Attention):
         return joined if joined is not None else super().self_qkv(x, rotate, positions, cache)
 
     def attend(self, q, k, v, mask, is_causal):
-        if (q.shape[2] != 1 or is_causal or not q.is_cpu or q.dtype not in (torch.bfloat16, torch.float16)
-                or self.softcap is not None or (self.training and self.dropout > 0)):
+        if (not q.is_cpu or q.dtype not in (torch.bfloat16, torch.float16) or self.softcap is not None
+                or (self.training and self.dropout > 0)):
             return super().attend(q, k, v, mask, is_causal)
-        return attend_one_query(q, k, v, mask, self.scale)
+        # the kernel follows from the shapes alone, never from grad mode or train/eval mode: a policy and its
+        # reference, or the log-probs a rollout keeps and the loss's, compute the same attention bitwise
+        B, H, T, _ = q.shape
+        if T == 1 and not is_causal:
+            return attend_one_query(q, k, v, mask, self.scale)
+        if B * H * T * k.shape[2] <= SHORT_ATTENTION_ELEMENTS and not torch.compiler.is_compiling():
+            if is_causal:
+                bias = _causal_bias(T, k.shape[2], torch.float32, q.device)[None, None]  # (1, 1, T, S)
+                mask = bias if mask is None else mask + bias
+            return _ShortAttention.apply(q, k, v, mask, self.scale if self.scale is not None else q.shape[-1] ** -0.5)
+        return super().attend(q, k, v, mask, is_causal)
 
     def _fused_qkv(self, x: torch.Tensor, rotate, cache):
         """The lean path when q, k and v are plain linears with no per-head norm (and any cache is a
@@ -89,3 +108,45 @@ def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         scores.add_(mask.reshape(mask.shape[0], hkv, g, S) if mask.shape[1] != 1 else mask)
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(B, H, 1, dh)
+
+
+SHORT_ATTENTION_ELEMENTS = 1 << 23  # B x H x T x S up to which training attention keeps its bf16 probabilities (16 MB)
+
+
+class _ShortAttention(torch.autograd.Function):
+    """softmax(q k^T * scale + mask) v for q (B, H, T, Dh), k and v (B, Hkv, S, Dh), in the inputs' low precision
+    with the scores and the softmax in fp32: a kv head's query heads as the rows of one matmul, the probabilities kept
+    in bf16 for the backward (dv = p^T do, ds = p (do v^T - rowsum(do o)) * scale, dq = ds k, dk = ds^T q). See the
+    module's docstring for when and why. mask: additive, (B|1, H|1, T, S), or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        B, H, T, dh = q.shape
+        hkv, S = k.shape[1], k.shape[2]
+        g = H // hkv
+        qg = q.reshape(B, hkv, g * T, dh)  # a kv head's query heads, one after another, as rows
+        with torch.autocast(q.device.type, enabled=False):
+            scores = torch.matmul(qg, k.transpose(-1, -2)).view(B, hkv, g, T, S).float().mul_(scale)
+            if mask is not None:  # (B|1, H|1, T|1, S) onto (B, Hkv, G, T, S)
+                m, mh = mask.shape[0], mask.shape[1]
+                mask = mask.expand(m, mh, T, S)
+                scores.add_(mask.reshape(m, 1, 1, T, S) if mh == 1 else mask.reshape(m, hkv, g, T, S))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(B, hkv, g * T, S)
+            del scores
+            out = torch.matmul(probs, v)  # (B, Hkv, G T, Dh)
+        ctx.save_for_backward(qg, k, v, probs, out)
+        ctx.scale = scale
+        return out.view(B, H, T, dh)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qg, k, v, probs, out = ctx.saved_tensors
+        with torch.autocast(qg.device.type, enabled=False):
+            do = grad_out.reshape(out.shape).to(qg.dtype)
+            dv = torch.matmul(probs.transpose(-1, -2), do)  # (B, Hkv, S, Dh): summed over each kv head's queries
+            dp = torch.matmul(do, v.transpose(-1, -2)).float()  # (B, Hkv, G T, S)
+            delta = (do.float() * out.float()).sum(-1, keepdim=True)  # rowsum(do * o) = rowsum(p * dp)
+            ds = dp.sub_(delta).mul_(probs).mul_(ctx.scale).to(qg.dtype)
+            dq = torch.matmul(ds, k).reshape(grad_out.shape)
+            dk = torch.matmul(ds.transpose(-1, -2), qg)
+        return dq, dk, dv, None, None
