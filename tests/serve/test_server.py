@@ -237,3 +237,35 @@ def test_a_public_host_needs_an_api_key(capsys):
 
     assert main(["serve", "no/such/model", "--host", "0.0.0.0"]) == 2  # refused before anything loads
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(served, caplog):
+    import socket
+    import time
+
+    body = {"model": "tiny", "messages": CHAT[1:], "max_tokens": 80, "temperature": 0}
+    assert chat(served, **{k: v for k, v in body.items() if k != "model"})["choices"][0]["finish_reason"] == "length"
+    engine = served.server.engine
+    step = engine.step_fn
+
+    def slow_step(*args, **kwargs):  # 20 ms a step: 80 tokens take 1.6 s, the client leaves after 0.3 s
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    engine.step_fn = slow_step
+    try:
+        with caplog.at_level("INFO", logger="pretune.serve"):
+            raw = json.dumps(body).encode()
+            with socket.create_connection(("127.0.0.1", served.port)) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+                time.sleep(0.3)
+            for _ in range(100):
+                if any(" 499 " in r.getMessage() for r in caplog.records):
+                    break
+                time.sleep(0.05)
+        assert any(" 499 " in r.getMessage() and "cancelled" in r.getMessage() for r in caplog.records)
+        assert engine.load["running"] == 0
+    finally:
+        engine.step_fn = step
+    assert chat(served, temperature=0, max_tokens=3)["usage"]["completion_tokens"] >= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
+import time
 from importlib import resources
 
 import numpy as np
@@ -42,26 +43,38 @@ def build_app(server: Server) -> FastAPI:
                        code="internal_error")
         return JSONResponse(err.body(), status_code=500)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        request.state.rid = P.new_id("req")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > server.limits.max_body_bytes:
-            return await _api_error(request, ApiError(
-                413, f"the request body has {length} bytes; this server takes at most {server.limits.max_body_bytes}",
-                code="request_too_large"))
-        if server.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return await _api_error(request, ApiError(
-                    401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key"))
-        try:
-            return await call_next(request)
-        except Exception as e:  # an exception past the handlers: still an OpenAI error, never a traceback
-            return await _internal(request, e)
-
+    app.add_middleware(Guard, server=server, refuse=_api_error)
     add_routes(app, server)
     return app
+
+
+class Guard:
+    """Before any route: a request id, the body size limit (by Content-Length; chunked bodies are counted as they are
+    read) and the API key. A plain ASGI middleware, so that the routes see the client's own ``receive`` (how a
+    non-streamed request notices its client has gone)."""
+
+    def __init__(self, app, *, server: Server, refuse):
+        self.app, self.server, self.refuse = app, server, refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["rid"] = P.new_id("req")
+        request = Request(scope)
+        limit = self.server.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        error = None
+        if length is not None and length.isdigit() and int(length) > limit:
+            error = ApiError(413, f"the request body has {length} bytes; this server takes at most {limit}",
+                             code="request_too_large")
+        elif self.server.api_key is not None and scope["path"].startswith("/v1") and \
+                request.headers.get("authorization", "") != f"Bearer {self.server.api_key}":
+            error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+        if error is not None:
+            response = await self.refuse(request, error)
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def add_routes(app: FastAPI, server: Server) -> None:
@@ -337,14 +350,17 @@ def add_routes(app: FastAPI, server: Server) -> None:
 async def _wait(run: Run, request: Request, rid: str, path: str, name: str) -> None:
     """Wait until every choice of ``run`` has ended; cancel it if the client goes away meanwhile."""
     open_ = len(run.choices)
+    checked = time.monotonic()
     try:
         while open_:
             event = await run.next()
-            if event is None:
+            if time.monotonic() - checked >= 0.25:  # every 0.25 s, busy or not (asking resumes reading the socket)
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     run.cancel()
                     log_line(rid, path, 499, name, run.stats(), "client went away: cancelled")
                     raise ApiError(499, "the client closed the request", code="client_closed_request")
+            if event is None:
                 continue
             _, _, ended = run.handle(event)
             open_ -= ended
