@@ -26,7 +26,7 @@ def make_adapter(base_folder, folder, seed: int = 1):
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_chat")
     tiny_chat_model(d / "tiny")

@@ -194,10 +194,10 @@ BAD = [  # (what, method, path, body or raw bytes, headers, status, code)
 
 def test_bad_requests_get_openai_errors_and_the_server_answers_the_next(served):
     assert len(BAD) >= 20
+    http = httpx.Client(base_url=served.url, timeout=30)  # one connection for all
     for what, method, path, body, headers, status, code in BAD:
         kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
-        r = httpx.request(method, served.url + path, headers={"Content-Type": "application/json", **headers},
-                          timeout=30, **kw)
+        r = http.request(method, path, headers={"Content-Type": "application/json", **headers}, **kw)
         assert r.status_code == status, (what, r.status_code, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, (what, err)
