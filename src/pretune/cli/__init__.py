@@ -28,6 +28,8 @@ EPILOG = """examples:
   pretune generate MODEL "Once upon a time" --max-new-tokens 40   greedy / --do-sample / --num-beams 4, streamed
   pretune prompt MODEL --data test.jsonl --template 'Message: {text}\\nSpam? Answer:' --labels 'ham=No,spam=Yes' \\
       --shots 4 --shots-from train.jsonl      few-shot classification by label-word likelihood (--cot: reasoning)
+  pretune serve MODEL --adapter NAME=DIR   the OpenAI HTTP API on 127.0.0.1:8000, continuous batching, a chat page
+  pretune chat MODEL                     a multi-turn chat in the terminal, streamed
   pretune quickstart                     tokenizer -> MLM pretraining -> finetune vs scratch vs MiniLM, a table + plot
   pretune sweep configs/sweep/lora-lr.yaml --jobs 2   grid / random search x seeds: results, mean ± std table, plots
   pretune experiment list                 the lectures' findings re-run: pretune experiment NAME -> table + verdict
