@@ -69,6 +69,14 @@ def test_sampling_n_seed_logprobs_and_usage(served):
     assert "".join(t["token"] for t in lp) == texts[0]
     assert a["usage"]["completion_tokens"] >= sum(len(ch["logprobs"]["content"]) for ch in a["choices"])
     assert a["usage"]["total_tokens"] == a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"]
+    # streamed: the chunks' log-probs are the same tokens; include_usage adds a last chunk with the usage
+    chunks = list(client(served).chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0.9, top_p=0.95, seed=5, max_tokens=8, logprobs=True,
+        top_logprobs=2, stream=True, stream_options={"include_usage": True}))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t["token"], t["logprob"]) for t in lp]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(
+        1 for _ in streamed) + (a["choices"][0]["finish_reason"] == "stop")
 
 
 def test_completions_echo_logprobs_equal_a_forward_pass(served, tiny_folders):
