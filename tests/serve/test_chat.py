@@ -51,3 +51,19 @@ def test_the_chat_command(tiny_folders, monkeypatch, capsys):
     assert main(["chat", str(tiny_folders[0]), "--max-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("chatting with tiny") and "(system message removed; conversation reset)" in out
+
+
+def test_an_adapter_folder_as_the_model(tiny_folders, capsys):
+    """MODEL may be an adapter folder (on the base it recorded): greedy answers equal pretune generate --chat's."""
+    from pretune.cli import main
+    from pretune.serve import load_server
+
+    server = load_server(str(tiny_folders[1]))
+    try:
+        answer = Conversation(server, max_tokens=8).say("Hello there", lambda text: None)
+    finally:
+        server.engine.close()
+    main(["generate", str(tiny_folders[1]), "Hello there", "--chat", "--max-new-tokens", "8"])
+    assert capsys.readouterr().out == answer + "\n"
+    main(["generate", str(tiny_folders[0]), "Hello there", "--chat", "--max-new-tokens", "8"])
+    assert capsys.readouterr().out != answer + "\n"  # the adapter is on
