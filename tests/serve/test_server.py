@@ -245,6 +245,22 @@ def test_a_public_host_needs_an_api_key(capsys):
 
     assert main(["serve", "no/such/model", "--host", "0.0.0.0"]) == 2  # refused before anything loads
     assert "--api-key" in capsys.readouterr().err
+    assert main(["serve", "no/such/model", "--max-batch", "0"]) == 2
+    assert "--max-batch 0 must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "no/such/model", "--port", "0"]) == 2  # one line naming the folder, no traceback
+    err = capsys.readouterr().err
+    assert "no/such/model" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["serve", "no/such/model", "--adapter", "no-equals-sign"])
+    assert "expected NAME=FOLDER" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_one_line(served, capsys):
+    from pretune.cli import main
+
+    assert main(["serve", "no/such/model", "--port", str(served.port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{served.port}" in err and "Traceback" not in err
 
 
 def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(served, caplog):
