@@ -126,6 +126,9 @@ class RaggedStep:
             if (layer.project is None and getattr(layer, "qkv_w", None) is None) or (
                     layer.ffn is None and getattr(layer, "up_w", None) is None):
                 return None
+        weights, _ = flat._plain_weights(None)
+        if any(len(w) != 6 for w in weights):  # the per-layer (o, up, down) weights and biases this step unpacks
+            return None
         return RaggedStep(flat, max_batch)
 
     def __call__(self, tokens: list[int], caches: list, route=None) -> torch.Tensor:
