@@ -32,7 +32,7 @@ test-gpu: install
 	$(PY) -m pytest -q -m gpu tests/train/test_gpu.py
 
 # llama.cpp as the verifier of the GGUF files pretune writes: llama-cpp-python builds llama.cpp from source (about
-# 35 minutes on 2 busy cores; pip keeps the built wheel in its cache, so a reinstall is quick)
+# 10 minutes on 2 shared cores; pip keeps the built wheel in its cache, so a reinstall is quick)
 install-llamacpp: install
 	$(PIP) install -q "llama-cpp-python==0.3.36"
 
