@@ -251,3 +251,14 @@ def test_bundled_smollm2_gguf_reads_as_transformers_dequantises_it():
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor([ids])).logits, ref.model(torch.tensor([ids])).logits)
 
+
+
+def test_a_model_without_tokenizer_takes_one_given(tok, tmp_path, capsys):
+    pretune.save(_model(_config("gemma")), tmp_path / "ck")  # no tokenizer saved with it
+    out = str(tmp_path / "g.gguf")
+    assert main(["convert", "--to-gguf", str(tmp_path / "ck"), "--out", out]) == 2
+    assert "no usable tokenizer" in capsys.readouterr().err  # the loader says so, naming the folder
+    tok.save(tmp_path / "tok.json")
+    given = ["--tokenizer", str(tmp_path / "tok.json")]
+    assert main(["convert", "--to-gguf", str(tmp_path / "ck"), "--out", out, *given]) == 0
+    assert gguf.GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == "gpt-2"

@@ -41,6 +41,8 @@ def add_model_parsers(sub) -> None:
                    help="--to-gguf: the tensors' type, llama.cpp's names (norms stay f32; default f32)")
     s.add_argument("--base", metavar="DIR", help="--to-gguf of an adapter folder: its base model (default: the one "
                    "it recorded)")
+    s.add_argument("--tokenizer", metavar="PATH", help="--to-gguf: the tokenizer to write into the file (a "
+                   "tokenizer.json or a folder holding one; default: the model's own)")
     s.add_argument("--merged", action="store_true", help="--to-gguf of an adapter folder: write its base with the "
                    "adapter folded in, as one model, instead of a GGUF LoRA")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty --out: pretune's earlier output "
@@ -179,8 +181,8 @@ def cmd_convert(args) -> int:
     if args.to_gguf:
         from ..jobs.gguf import export_gguf
 
-        out, what = export_gguf(args.to_gguf, args.out, type=args.type, base=args.base, merged=args.merged,
-                                overwrite=args.overwrite)
+        out, what = export_gguf(args.to_gguf, args.out, type=args.type, base=args.base, tokenizer=args.tokenizer,
+                                merged=args.merged, overwrite=args.overwrite)
         print(f"exported {args.to_gguf} -> {out}: {what}")
         return 0
     check_folder(args.out, overwrite=args.overwrite)

@@ -284,7 +284,7 @@ def write_gguf(model, out: str | os.PathLike, *, tokenizer, type: str = "f32", n
     fam, model_type = _family(cfg)
     arch = ARCHS[model_type]
     if tokenizer is None:
-        raise GGUFError("a GGUF file holds its tokenizer, and this model has none; pass --tokenizer PATH")
+        raise GGUFError("a GGUF file holds its tokenizer, and this model has none; pass one (--tokenizer PATH)")
     tokenizer_keys(tokenizer, cfg.vocab_size)  # refuses a tokenizer llama.cpp would run differently, before writing
     hf = fam.weights_to_hf(unique_state(model), cfg)
     names = _names(arch, cfg.n_layers, hf)
