@@ -15,7 +15,8 @@ from typing import Literal
 from ..config import ConfigError
 from ..runconfig import Owned
 
-BASE_DTYPES = ("fp32", "bf16", "auto")
+BASE_DTYPES = ("fp32", "bf16", "auto", "nf4", "int8")
+QUANTIZED_BASES = ("nf4", "int8")  # QLoRA: the frozen base's linear weights stored quantised (pretune.model.quantize)
 
 
 @dataclass
@@ -24,9 +25,11 @@ class PeftConfig(metaclass=Owned):
     ``lora+prompt`` or ``embeddings+adapter``; the fields of the methods it names come with it."""
 
     method: str = ""  # lora | adapter | prefix | prompt | ia3 | embeddings | bitfit, or a '+'-joined combination
-    base_dtype: Literal["fp32", "bf16", "auto"] = "fp32"  # storage of the frozen base's linear weights: bf16 halves
-    # their memory (matmuls under train.precision=bf16 round them to bf16 anyway); auto: bf16 when the run's precision
-    # resolves to bf16. Embedding tables, norms and biases stay fp32, trainable parameters (and AdamW state) too
+    base_dtype: Literal["fp32", "bf16", "auto", "nf4", "int8"] = "fp32"  # storage of the frozen base's linear
+    # weights: bf16 halves their memory (matmuls under train.precision=bf16 round them to bf16 anyway); auto: bf16 when
+    # the run's precision resolves to bf16; nf4 / int8 (QLoRA): torchao's 4-bit NormalFloat (~0.13x fp32) or int8 per
+    # output channel (~0.25x), dequantised for each matmul, any precision. Embedding tables, norms and biases stay
+    # fp32, trainable parameters (and AdamW state) too
 
     SELECTOR = "method"  # PeftConfig(method=X, ...) is the settings of method(s) X (runconfig.Owned)
 
@@ -145,6 +148,11 @@ def base_dtype_for(cfg: PeftConfig, precision: str, resolved: str = "") -> str:
     it is and gathers it in bf16, as its bf16 mixed-precision policy gathers fp32 ones)."""
     if cfg.base_dtype == "auto":
         return cfg.base_dtype if not resolved else "bf16" if cfg.method and resolved == "bf16" else "fp32"
+    if cfg.base_dtype in QUANTIZED_BASES:
+        if not cfg.method:
+            raise ConfigError(f"peft.base_dtype={cfg.base_dtype} stores the frozen base of a PEFT run quantised "
+                              "(QLoRA): set peft.method (full finetuning trains every weight, in fp32)")
+        return cfg.base_dtype
     if cfg.base_dtype != "bf16":
         return cfg.base_dtype
     if not cfg.method:

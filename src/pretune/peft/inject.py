@@ -5,6 +5,7 @@
         out = model(ids, attention_mask=mask)
     merge(model); unmerge(model)                                            # fold LoRA into W0 and back
     cast_base(model, torch.bfloat16)      # the frozen linear weights stored in bf16 (PeftConfig.base_dtype="bf16")
+    quantize_base(model, "nf4")           # ... stored quantised, QLoRA (PeftConfig.base_dtype="nf4" or "int8")
 
 Each method is a module of ``pretune.peft.methods`` (its ``inject`` wraps the layers it changes); this file is
 the engine that runs them, whatever the method.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import TASK_HEADS
+from ..model import QuantizedLinear, dequantize, quantize
 from ..model.heads import LMHead, MLMHead
 from .config import PeftConfig
 from .core import (
@@ -36,7 +38,7 @@ from .core import (
 from .layers import PeftLinear, RoutedHead
 from .methods import METHODS
 
-__all__ = ["inject", "freeze_for", "cast_base", "base_matmul_weights",
+__all__ = ["inject", "freeze_for", "cast_base", "quantize_base", "base_matmul_weights",
            "trainable_summary", "format_summary", "set_active", "route", "merge", "unmerge",
            "merged_model", "strip_peft", "PeftError", "adapter_names", "adapter_parameters", "is_peft_parameter",
            "peft_state"]
@@ -48,8 +50,9 @@ def inject(model, cfg: PeftConfig, name: str = "default", *, tokenizer=None, tra
 
     ``name`` becomes the only active adapter (``activate``); with ``train`` every parameter but its own,
     the task head's (classification, tagging, ...) and the base parameters it trains (embeddings, biases) is
-    frozen, and with ``cfg.base_dtype="bf16"`` the frozen linear weights are then stored in bf16 (:func:`cast_base`).
-    Returns {trainable, total, fraction}, plus {base_cast, base_bytes_saved} when the base was cast.
+    frozen, and with ``cfg.base_dtype="bf16"`` the frozen linear weights are then stored in bf16 (:func:`cast_base`),
+    with ``nf4`` / ``int8`` quantised (:func:`quantize_base`, QLoRA).
+    Returns {trainable, total, fraction}, plus {base_cast, base_bytes_saved} when the base was cast or quantised.
     """
     cfg = cfg.validated()
     if train and cfg.base_dtype == "auto":
@@ -71,6 +74,9 @@ def inject(model, cfg: PeftConfig, name: str = "default", *, tokenizer=None, tra
     summary = trainable_summary(model)
     if train and cfg.base_dtype == "bf16":
         cast = cast_base(model, torch.bfloat16)
+        summary.update(base_cast=cast["params"], base_bytes_saved=cast["bytes_saved"])
+    if train and cfg.base_dtype in ("nf4", "int8"):
+        cast = quantize_base(model, cfg.base_dtype)
         summary.update(base_cast=cast["params"], base_bytes_saved=cast["bytes_saved"])
     return summary
 
@@ -122,6 +128,26 @@ def cast_base(model, dtype: torch.dtype = torch.bfloat16) -> dict:
         n += p.numel()
         saved += p.numel() * (before - p.element_size())
     return {"params": n, "bytes_saved": saved}
+
+
+@torch.no_grad()
+def quantize_base(model, fmt: str) -> dict:
+    """QLoRA: store the frozen linear layers of the body (attention and FFN projections with no parameter that trains,
+    LoRA's base layers included) quantised, in place — ``nf4`` (torchao's NF4, blocks of 64) or ``int8`` (per output
+    channel): ``pretune.model.quantize(..., only_frozen=True)`` with the LM head left as it is. Each matmul
+    dequantises the weight (to the autocast dtype, or the input's) and the input's gradient is taken through it; the
+    adapters and everything that trains stay fp32. DoRA's magnitudes are set again from the quantised weights, so the
+    adapted model still starts equal to its (quantised) base. Returns {params: weights quantised, bytes_saved}."""
+    before = {id(m): m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear}
+    quantize(model, fmt, head=None, only_frozen=True)
+    q = model.quantization
+    fp_bytes = sum(b for m_id, b in before.items()
+                   if m_id not in {id(m) for m in model.modules() if type(m) is nn.Linear})
+    for m in model.modules():
+        if isinstance(m, PeftLinear) and isinstance(m.base_layer, QuantizedLinear):
+            for name in m.lora_magnitude:
+                m.lora_magnitude[name].copy_(m.dora_norm(name))
+    return {"params": q["weights"], "bytes_saved": fp_bytes - q["bytes"]}
 
 
 def trainable_summary(model) -> dict:
@@ -201,6 +227,10 @@ def merge(model, names: str | Sequence[str] | None = None) -> None:
                             "adapters train base weights directly)")
         for m in model.modules():
             if isinstance(m, PeftLinear):
+                if isinstance(m.base_layer, QuantizedLinear):
+                    raise PeftError(f"adapter {n!r} cannot merge into a quantised base layer (peft.base_dtype=nf4 or "
+                                    "int8 stores it as codes): peft.merged_model dequantises the base first, or "
+                                    "load the adapter on the unquantised base")
                 m.merge(n)
 
 
@@ -225,6 +255,7 @@ def merged_model(model, name: str | None = None):
         raise PeftError(f"which adapter? the model has {list(state.configs)}; pass name=")
     work = copy.deepcopy(model)
     cast_base(work, torch.float32)  # a bf16-stored base merges in fp32: W0 + s B A is not rounded back to bf16
+    dequantize(work)  # a quantised base (QLoRA) too: the weights its codes stand for, in fp32
     merge(work, name)
     routed = isinstance(work.head, RoutedHead)
     own_head = routed and name in work.head.adapter_heads

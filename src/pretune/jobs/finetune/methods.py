@@ -97,7 +97,7 @@ class AdapterMethod:
         self.base_dtype = self.cfg.base_dtype
         if "base_cast" in summary:
             self.base_bytes_saved = summary["base_bytes_saved"]
-            self.base_note = (f"frozen base: bf16 ({summary['base_cast']:,} linear weights, "
+            self.base_note = (f"frozen base: {self.base_dtype} ({summary['base_cast']:,} linear weights, "
                               f"{self.base_bytes_saved / 1e6:.1f} MB saved; embeddings, norms and biases fp32)")
 
     def reference(self, model):

@@ -26,6 +26,8 @@ computes its slice of the stacked product when called alone.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -239,6 +241,15 @@ class NF4Linear(QuantizedLinear):
     def _dequantized(self) -> torch.Tensor:
         return self.nf4.get_original_weight()
 
+    def __deepcopy__(self, memo):
+        """A copy sharing the frozen NF4 codes (torchao's NF4Tensor re-quantises when deep-copied, with its default
+        scaler blocks, which a small weight does not divide into)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if k == "nf4" else copy.deepcopy(v, memo)
+        return new
+
     def _apply(self, fn, recurse=True):
         moved = fn(self.nf4)
         if type(moved) is type(self.nf4):  # a move; a cast (model.float()) would dequantise it: kept as it is
@@ -343,8 +354,9 @@ def quantize(model: nn.Module, mode: str = "int8", *, head: str | None = "int8",
         raise ValueError(f"quantize mode {mode!r}: expected one of {', '.join(FORMATS)}")
     if head is not None and head not in MODES:
         raise ValueError(f"quantize head={head!r}: expected one of {', '.join(MODES)} or None (kept fp32)")
-    if mode in MODES and any(p.device.type != "cpu" for p in model.parameters()):
-        raise ValueError(f"quantize {mode!r} runs PyTorch's CPU kernels: move the model to the CPU first")
+    if not only_frozen and any(p.device.type != "cpu" for p in model.parameters()):
+        raise ValueError(f"quantize {mode!r} for decoding runs PyTorch's CPU kernels: move the model to the CPU "
+                         "first")
     kw = {"group": group} if mode == "int4" else {}
     count = 0
     for module in list(model.modules()):
