@@ -41,6 +41,7 @@ TASKS: dict[str, str] = {
     "kto": "prompt, completion, label (true/false): preference tuning of decoders on unpaired feedback (TRL's KTO)",
     "reward": "prompt, chosen, rejected (margin): a reward model, a scalar head on a decoder (TRL's RewardTrainer)",
     "grpo": "prompt (+ fields the rewards read): RL from verifiable rewards (TRL's GRPO); --reward NAME, --steps N",
+    "embedding": "anchor, positive (negative) or text_a, text_b, score: sentence embeddings, MNRL / CoSENT (ST's)",
 }
 
 # parameter-efficient methods (`pretune finetune --peft NAME`, or a '+' combination)

@@ -13,6 +13,7 @@ from .base import Layout, Record, Task, TaskConfig, read_records
 from .choice import Choice
 from .classify import Classification, Pair, Regression
 from .dpo import DPO
+from .embedding import Embedding
 from .grpo import GRPO
 from .kto import KTO
 from .multilabel import Multilabel
@@ -24,7 +25,7 @@ from .tagging import Tagging
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq,
                                                           SFT, Choice, Multilabel, DPO, KTO, Reward,
-                                                          GRPO)}
+                                                          GRPO, Embedding)}
 TASK_METRICS: dict[str, list[str]] = {name: list(cls.metrics) for name, cls in TASKS.items()}  # what each reports
 DEFAULT_METRIC: dict[str, str] = {name: cls.default_metric for name, cls in TASKS.items()}  # model selection
 

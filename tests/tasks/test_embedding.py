@@ -1,0 +1,183 @@
+"""The embedding task (a bi-encoder): its losses equal sentence-transformers' on a fixed batch (MNRL, symmetric,
+CoSENT, Matryoshka; fp32, a tiny random BERT built by transformers), the cached (GradCache) loss's gradients equal the
+uncached loss's, retrieval metrics by hand, bad records named, and a finetuning run that trains and evaluates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+st = pytest.importorskip("sentence_transformers")
+
+from pretune.data.readers import DataError  # noqa: E402
+from pretune.loading import load_pretrained  # noqa: E402
+from pretune.tasks import TaskConfig, build_task  # noqa: E402
+from pretune.tasks.base import Record  # noqa: E402
+from pretune.tasks.embedding import retrieval_metrics  # noqa: E402
+
+WORDS = ("the a cat dog sat ran on under mat tree big small red blue house car man woman child plays reads "
+         "book ball park river bank money walk fast slow old new green").split()
+TRIPLETS = [("the cat sat on the mat", "a small cat sat on a red mat", "the man reads a book"),
+            ("a dog ran in the park", "the big dog ran fast in a park", "a red car on the river bank"),
+            ("the child plays with a ball", "a small child plays ball", "an old house under a tree"),
+            ("the woman reads a new book", "a woman reads an old book", "the dog sat under the tree"),
+            ("money in the bank", "the bank has money", "a blue ball in the green park")]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny random-weight BERT (every parameter perturbed) and a word-level WordPiece vocabulary, saved as a
+    Hugging Face folder both libraries read."""
+    d = tmp_path_factory.mktemp("tiny_bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "in", "with", "an", "has", "of"]
+    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = transformers.BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
+    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    hf = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    hf.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ours(folder):
+    loaded = load_pretrained(folder)
+    return loaded.model.with_head(head="none").eval(), loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def theirs(folder):
+    from sentence_transformers import SentenceTransformer, models
+
+    return SentenceTransformer(modules=[models.Transformer(str(folder)), models.Pooling(32, "mean")],
+                               device="cpu").eval()
+
+
+def _ours_loss(ours, records, **cfg) -> tuple[float, object, dict]:
+    model, tok = ours
+    task = build_task(TaskConfig(name="embedding", **cfg), model.config, tok)
+    batch = task.collate([f for r in records for f in task.encode(r)])
+    loss, stats = task.loss(model, batch, task.counts(batch))
+    return loss, task, stats
+
+
+def _records(with_negatives: bool) -> list[Record]:
+    return [Record(f"t:{i}", {"anchor": a, "positive": p, **({"negative": n} if with_negatives else {})})
+            for i, (a, p, n) in enumerate(TRIPLETS)]
+
+
+def _st_features(theirs, columns):
+    return [theirs.tokenize(list(c)) for c in columns]
+
+
+@pytest.mark.parametrize("negatives", [False, True])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_mnrl_equals_sentence_transformers(ours, theirs, negatives, symmetric):
+    from sentence_transformers import losses
+
+    with torch.no_grad():
+        got, _, _ = _ours_loss(ours, _records(negatives), symmetric=symmetric)
+        loss = losses.MultipleNegativesRankingLoss(
+            theirs, scale=20.0, **({"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
+                                   if symmetric else {}))
+        columns = list(zip(*TRIPLETS))[:3 if negatives else 2]
+        want = loss(_st_features(theirs, columns), None)
+    assert abs(float(got) - float(want)) < 1e-5, (float(got), float(want))
+
+
+def test_matryoshka_equals_sentence_transformers(ours, theirs):
+    from sentence_transformers import losses
+
+    dims = [32, 16, 8]
+    with torch.no_grad():
+        got, _, _ = _ours_loss(ours, _records(True), matryoshka_dims=dims)
+        loss = losses.MatryoshkaLoss(theirs, losses.MultipleNegativesRankingLoss(theirs), matryoshka_dims=dims)
+        want = loss(_st_features(theirs, list(zip(*TRIPLETS))), None)
+    assert abs(float(got) - float(want)) < 1e-5, (float(got), float(want))
+
+
+def test_cosent_equals_sentence_transformers(ours, theirs):
+    from sentence_transformers import losses
+
+    scores = [0.9, 0.1, 0.5, 0.7, 0.3]
+    records = [Record(f"s:{i}", {"text_a": a, "text_b": b, "score": s})
+               for i, ((a, b, _), s) in enumerate(zip(TRIPLETS, scores))]
+    with torch.no_grad():
+        got, task, _ = _ours_loss(ours, records)
+        want = losses.CoSENTLoss(theirs)(_st_features(theirs, list(zip(*TRIPLETS))[:2]), torch.tensor(scores))
+    assert task.default_metric == "spearman"
+    assert abs(float(got) - float(want)) < 1e-5, (float(got), float(want))
+
+
+@pytest.mark.parametrize("cfg", [{}, {"symmetric": True, "matryoshka_dims": [32, 8]}])
+def test_cached_loss_gradients_equal_uncached(ours, cfg):
+    model = ours[0]
+    grads = []
+    for mini_batch in (0, 3):
+        model.zero_grad(set_to_none=True)
+        loss, _, stats = _ours_loss(ours, _records(True), mini_batch=mini_batch, **cfg)
+        (loss * 2.0).backward()  # an upstream factor (the trainer's scaling) reaches the cached chunks too
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads[-1]["loss"] = loss.detach()
+    model.zero_grad(set_to_none=True)
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) > 10
+    scale = max(float(g.abs().max()) for g in grads[0].values())
+    for name in grads[0]:  # equal to fp32 rounding: 1e-5 of the largest gradient (the chunks sum in another order)
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5 * scale, rtol=0)
+
+
+def test_retrieval_metrics_by_hand():
+    m = retrieval_metrics([1, 2, 11])
+    assert m["recall@1"] == pytest.approx(1 / 3) and m["recall@10"] == pytest.approx(2 / 3)
+    assert m["mrr@10"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert m["ndcg@10"] == pytest.approx((1 + 1 / 1.584962500721156 + 0) / 3)
+    assert m["map"] == pytest.approx((1 + 0.5 + 1 / 11) / 3)
+
+
+def test_evaluation_ranks_the_dev_corpus(ours):
+    from pretune.tasks.run import evaluate_task
+
+    model, tok = ours
+    task = build_task(TaskConfig(name="embedding"), model.config, tok)
+    metrics, preds = evaluate_task(task, model, _records(True))
+    assert set(metrics) == {"ndcg@10", "mrr@10", "map", "recall@1", "recall@5", "recall@10"}
+    assert all(len(p["top"]) == 10 and 1 <= p["rank"] <= 10 for p in preds)  # 10 distinct docs in the corpus
+    assert metrics["recall@10"] == 1.0
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"anchor": "the cat"}, "missing field 'positive'"),
+    ({"anchor": "the cat", "positive": "a dog", "negative": [""]}, "field 'negative' should hold non-empty texts"),
+    ({"text_a": "the cat", "text_b": "a dog", "score": "high"}, "field 'score' should be int or float"),
+    ({"text_a": "the cat", "text_b": "a dog", "score": True}, "expected a finite number"),
+    ({"query": "the cat"}, "expected 'anchor' and 'positive'"),
+])
+def test_bad_records_are_named(ours, data, message):
+    model, tok = ours
+    task = build_task(TaskConfig(name="embedding"), model.config, tok)
+    with pytest.raises(DataError, match=message) as err:
+        task.encode(Record("train.jsonl:7", data))
+    assert "train.jsonl:7" in str(err.value)
+
+
+def test_finetune_trains_and_evaluates(folder, tmp_path):
+    from pretune.jobs.finetune import finetune, load_finetune_config
+
+    rows = [{"anchor": a, "positive": p, "negative": n} for a, p, n in TRIPLETS]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=embedding", f"train.out={tmp_path / 'run'}",
+                                      f"data.train={tmp_path / 'train.jsonl'}", f"data.dev={tmp_path / 'dev.jsonl'}",
+                                      "train.batch_size=5", "tune.epochs=3", "train.lr=1e-3"])
+    result = finetune(cfg, show_progress=False, log=lambda *a, **k: None)
+    first, last = result.history[0][1], result.dev
+    assert last["mrr@10"] >= first["mrr@10"] and last["mrr@10"] > 0.5
