@@ -43,7 +43,7 @@ def test_bench_generate_tiny(tiny_llama, spawn):
     assert order[6:9] == ["batch 1 transformers", "batch 1 pretune-compiled", "batch 1 pretune"]
     for row in rows:
         assert row["bench"] == "generate" and row["threads"] == 1 and row["new_tokens"] == 6
-        for impl in bg.IMPLS:
+        for impl in bg.DEFAULT_IMPLS:
             assert len(row[f"{impl}_runs"]) == 2 and row[f"{impl}_tokens_per_s"] > 0
         for impl, key in bg.OURS.items():
             assert row[f"{key}ratio"] == pytest.approx(row[f"{impl}_tokens_per_s"] / row["transformers_tokens_per_s"])
@@ -65,6 +65,18 @@ def test_bench_generate_subset_of_implementations(tiny_llama):
     assert "compiled" not in bg.format_rows(rows)
     with pytest.raises(ValueError, match="impls"):
         bg.bench_generate(model=tiny_llama, impls=("pretune", "vllm"))
+
+
+def test_bench_generate_quantized_sides(tiny_llama):
+    """--quantize int8 int4: pretune.quantize's sides, their speed-up over pretune's fp32 eager side and its target."""
+    rows = bg.bench_generate(model=tiny_llama, batches=(1,), rounds=1, prompt_len=4, new_tokens=3, repeats=1,
+                             threads=1, show_progress=False, echo=None, spawn=_in_process,
+                             impls=("pretune", "pretune-int8", "pretune-int4"))
+    row = rows[0]
+    for mode, (impl, target) in (("int8", ("pretune-int8", 1.8)), ("int4", ("pretune-int4", 2.5))):
+        assert row[f"{mode}_speedup"] == pytest.approx(row[f"{impl}_tokens_per_s"] / row["pretune_tokens_per_s"])
+        assert row[f"{mode}_target_met"] == (row[f"{mode}_speedup"] >= target)
+    assert "pretune-int4: " in bg.format_rows(rows) and "pretune's fp32 eager tokens/s" in bg.format_rows(rows)
 
 
 def test_worker_generates_every_token(tiny_llama):

@@ -32,8 +32,12 @@ from pathlib import Path
 
 from .common import add_run_arguments, spawn_worker
 
-IMPLS = ("pretune", "pretune-compiled", "transformers")
+IMPLS = ("pretune", "pretune-compiled", "transformers", "pretune-int8", "pretune-int4")
+DEFAULT_IMPLS = IMPLS[:3]  # --quantize MODE adds pretune-MODE
 OURS = {"pretune": "", "pretune-compiled": "compiled_"}  # our implementations -> prefix of their row keys
+# pretune.quantize sides (issue 36): tokens/s against pretune's fp32 eager side at batch 1, and the perplexity bound
+# scripts/quantized_perplexity.py checks
+QUANTIZED = {"pretune-int8": ("int8", 1.8), "pretune-int4": ("int4", 2.5)}
 # pretune tokens/s / transformers tokens/s at batch 1: compiled decoding's target (the generation issue) and eager
 # decoding's (issue 17: without a compiler)
 TARGETS = {"pretune": 1.3, "pretune-compiled": 1.5}
@@ -57,11 +61,15 @@ class Job:
 def _load(job: Job):
     import torch
 
-    if job.impl in OURS:
+    if job.impl in OURS or job.impl in QUANTIZED:
         from ..generation import generate
         from ..loading import load
 
         model = load(job.model)
+        if job.impl in QUANTIZED:  # int8 / int4 weights from the fp32 ones (pretune.quantize)
+            from ..model import quantize
+
+            quantize(model.eval().requires_grad_(False), QUANTIZED[job.impl][0])
         compile = job.impl == "pretune-compiled"
 
         def run(ids, n):
@@ -118,7 +126,7 @@ def run_worker(job: Job) -> dict:
 # parent side
 # ---------------------------------------------------------------------------------------------
 def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: int = 32, new_tokens: int = 128,
-                   repeats: int = 2, threads: int = 0, seed: int = 0, impls=IMPLS, show_progress: bool = True,
+                   repeats: int = 2, threads: int = 0, seed: int = 0, impls=DEFAULT_IMPLS, show_progress: bool = True,
                    echo=print, spawn=spawn_worker) -> list[dict]:
     """Alternate pretune (eager, compiled) and transformers greedy generation, one process per run, ``rounds``
     times per batch size.
@@ -131,7 +139,8 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
         repeats: timed generations per process (its fastest counts).
         threads: torch threads of both sides; 0: every core.
         echo: where a line per finished run goes (None: nowhere).
-        impls: which of IMPLS to run (transformers plus at least one of ours for the ratios).
+        impls: which of IMPLS to run (transformers plus at least one of ours for the ratios; pretune-int8 /
+            pretune-int4 with pretune for their speed-up over fp32 eager).
         spawn: runs one :class:`Job` and returns its result (default: in a fresh process).
 
     Returns:
@@ -177,6 +186,11 @@ def bench_generate(*, model=None, batches=(1, 8), rounds: int = 3, prompt_len: i
             runs = samples[(b, impl)]
             row[f"{impl}_runs"] = [round(r["tokens_per_s"], 2) for r in runs]
             row[f"{impl}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
+        for impl, (mode, target) in QUANTIZED.items():
+            if impl in impls and "pretune" in impls:
+                row[f"{mode}_speedup"] = row[f"{impl}_tokens_per_s"] / row["pretune_tokens_per_s"]
+                if b == 1:
+                    row[f"{mode}_target_met"] = bool(row[f"{mode}_speedup"] >= target)
         for impl, key in OURS.items():
             if impl not in impls:
                 continue
@@ -204,7 +218,8 @@ def format_rows(rows: list[dict]) -> str:
     lines = [f"greedy generation, {model}, fp32 CPU, {r0['threads']} threads: {r0['new_tokens']} new tokens after a "
              f"{r0['prompt_len']}-token prompt; tokens/s = batch x new tokens / seconds (fastest of "
              f"{r0['repeats']} per process); ratio = ours / HF (medians over {r0['rounds']} rounds)"]
-    names = {"pretune": "pretune", "pretune-compiled": "compiled", "transformers": "HF"}
+    names = {"pretune": "pretune", "pretune-compiled": "compiled", "transformers": "HF", "pretune-int8": "int8",
+             "pretune-int4": "int4"}
     head = (f"{'batch':<7}{'round':<8}" + "".join(f"{names[i] + ' tok/s':>16}" for i in impls)
             + "".join(f"{names[i] + ' ratio':>16}" for i in ours))
     lines += [head, "-" * len(head)]
@@ -223,6 +238,12 @@ def format_rows(rows: list[dict]) -> str:
                 verdict = (f"; target (>= {TARGETS[i]:g}x transformers' tokens/s): "
                            f"{'met' if r[f'{key}target_met'] else 'NOT met'} ({r[f'{key}ratio']:.2f}x)")
             lines.append(f"batch {r['batch']} {i}: {same}{verdict}")
+        for impl, (mode, target) in QUANTIZED.items():
+            if f"{mode}_speedup" in r:
+                verdict = (f"; target (>= {target:g}x): {'met' if r[f'{mode}_target_met'] else 'NOT met'}"
+                           if f"{mode}_target_met" in r else "")
+                lines.append(f"batch {r['batch']} {impl}: {r[f'{mode}_speedup']:.2f}x pretune's fp32 eager "
+                             f"tokens/s{verdict}")
         if "compiled_first_seconds" in r:
             lines.append(f"batch {r['batch']} pretune-compiled: first call (compiling included) "
                          f"{r['compiled_first_seconds']:.1f} s (median)")
@@ -246,8 +267,11 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row (default 32)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
     p.add_argument("--repeats", type=int, default=2, help="timed generations per process, fastest kept (default 2)")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), metavar="IMPL",
-                   help=f"implementations to time (default: all of {', '.join(IMPLS)})")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS), metavar="IMPL",
+                   help=f"implementations to time, of {', '.join(IMPLS)} (default: {', '.join(DEFAULT_IMPLS)})")
+    p.add_argument("--quantize", nargs="+", choices=[m for m, _ in QUANTIZED.values()], default=[], metavar="MODE",
+                   help="also time pretune.quantize(model, MODE) (int8, int4) against pretune's fp32 eager side "
+                        "(targets at batch 1: int8 >= 1.8x, int4 >= 2.5x)")
 
 
 def run_cli(args) -> int:
@@ -256,7 +280,8 @@ def run_cli(args) -> int:
 
     rows = bench_generate(model=args.model, batches=tuple(args.batches), rounds=args.rounds,
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-                          threads=args.threads, impls=tuple(args.impls), echo=tqdm.write)
+                          threads=args.threads, echo=tqdm.write,
+                          impls=tuple(dict.fromkeys([*args.impls, *(f"pretune-{m}" for m in args.quantize)])))
     from .common import report
 
     return report(rows, format_rows(rows), args.json)
