@@ -158,7 +158,7 @@ def test_cli_writes_npy_and_jsonl(minilm_path, tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [r["text"] for r in rows] == [GUITAR, UNRELATED]
     assert all(len(r["embedding"]) == 384 for r in rows)
-    got = np.array([r["embedding"] for r in rows])  # not normalized this time: same direction as the .npy rows
+    got = np.array([r["embedding"] for r in rows])  # no --normalize: MiniLM's Normalize module still applies
     np.testing.assert_allclose(got / np.linalg.norm(got, axis=1, keepdims=True), emb[[0, 2]], atol=1e-5)
 
 

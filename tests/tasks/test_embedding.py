@@ -169,15 +169,75 @@ def test_bad_records_are_named(ours, data, message):
     assert "train.jsonl:7" in str(err.value)
 
 
-def test_finetune_trains_and_evaluates(folder, tmp_path):
+@pytest.fixture(scope="module")
+def trained(folder, tmp_path_factory):
     from pretune.jobs.finetune import finetune, load_finetune_config
 
+    tmp_path = tmp_path_factory.mktemp("run")
     rows = [{"anchor": a, "positive": p, "negative": n} for a, p, n in TRIPLETS]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
     (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=embedding", f"train.out={tmp_path / 'run'}",
                                       f"data.train={tmp_path / 'train.jsonl'}", f"data.dev={tmp_path / 'dev.jsonl'}",
                                       "train.batch_size=5", "tune.epochs=3", "train.lr=1e-3"])
-    result = finetune(cfg, show_progress=False, log=lambda *a, **k: None)
-    first, last = result.history[0][1], result.dev
+    return finetune(cfg, show_progress=False, log=lambda *a, **k: None)
+
+
+def test_finetune_trains_and_evaluates(trained):
+    first, last = trained.history[0][1], trained.dev
     assert last["mrr@10"] >= first["mrr@10"] and last["mrr@10"] > 0.5
+
+
+def test_the_run_model_is_a_sentence_transformers_folder(trained):
+    """SentenceTransformer(RUN/model) loads the run's model and gives the embeddings pretune's task computes."""
+    from sentence_transformers import SentenceTransformer
+
+    from pretune.jobs.inference import load_finetuned
+
+    model_dir = trained.model_dir
+    for name in ("modules.json", "1_Pooling/config.json", "2_Normalize", "config_sentence_transformers.json",
+                 "sentence_bert_config.json", "tokenizer_config.json"):
+        assert (model_dir / name).exists(), name
+    texts = [a for a, _, _ in TRIPLETS]
+    want = SentenceTransformer(str(model_dir), device="cpu").encode(texts, convert_to_tensor=True)
+    loaded = load_pretrained(model_dir)
+    task = build_task(TaskConfig(name="embedding"), loaded.model.config, loaded.tokenizer)
+    batch = task.collate([f for t in texts for f in task.encode(Record("x:1", {"anchor": t}), labelled=False)])
+    got = task.embed(loaded.model.eval(), batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert load_finetuned(model_dir) is not None  # pretune evaluate / predict read it with its task.json
+
+
+def test_pretune_embed_reads_the_folder_modules(trained, tmp_path):
+    """`pretune embed RUN/model` pools, normalises and truncates as the folder's modules say: SentenceTransformer's
+    vectors, with no flag."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from pretune.cli import main
+
+    texts = [a for a, _, _ in TRIPLETS]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    assert main(["embed", str(trained.model_dir), str(tmp_path / "texts.txt"), "--out", str(tmp_path / "e.npy")]) == 0
+    want = SentenceTransformer(str(trained.model_dir), device="cpu").encode(texts)
+    np.testing.assert_allclose(np.load(tmp_path / "e.npy"), want, atol=1e-5)
+
+
+def test_unknown_modules_are_refused_by_name(trained, tmp_path):
+    import shutil
+
+    from pretune.config import ConfigError
+    from pretune.interop.st_folder import read_st_modules
+
+    folder = tmp_path / "st"
+    shutil.copytree(trained.model_dir, folder)
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps(modules + [{"idx": 3, "name": "3", "path": "3_Dense",
+                                                                 "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ConfigError, match="models.Dense' of modules.json is not one pretune computes"):
+        read_st_modules(folder)
+    (folder / "modules.json").write_text(json.dumps(modules))
+    pool = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({**pool, "pooling_mode_max_tokens": True}))
+    with pytest.raises(ConfigError, match="pooling pooling_mode_mean_tokens, pooling_mode_max_tokens"):
+        read_st_modules(folder)

@@ -52,6 +52,7 @@ def cmd_embed(args) -> int:
     """``pretune embed``: embed the texts of a file, or rank pairs of them by cosine (``--similarity``)."""
     import numpy as np
 
+    from ..interop.st_folder import read_st_modules
     from ..io.outputs import check_file
     from ..jobs.embed import (
         _MAX_ALL_PAIRS,
@@ -79,15 +80,18 @@ def cmd_embed(args) -> int:
                               f"pairs; keep the most similar with --top N")
     else:
         texts, pairs = read_texts(args.input, field=args.field), None
+    # a sentence-transformers folder's modules: its pooling, Normalize and max length, unless a flag says otherwise
+    st = read_st_modules(args.model) if Path(args.model).is_dir() else None
     model, tok = load_encoder(args.model, tokenizer=args.tokenizer)
-    if args.pooling is not None:
-        _check_pooling(args.pooling, model)  # before any work
-    pooling = args.pooling or "mean"
+    pooling = args.pooling or (st.pooling if st else "mean")
+    _check_pooling(pooling, model)  # before any work
+    normalize = args.normalize or (st is not None and st.normalize)
+    max_len = args.max_len or (st.max_seq_length if st else None)
     unique = list(dict.fromkeys(texts if pairs is None else [t for p in pairs for t in p]))
     show = not args.quiet and len(unique) >= _PROGRESS_MIN
-    emb = embed_texts(model, tok, unique, pooling=pooling, normalize=args.normalize, batch_size=args.batch_size,
-                      max_len=args.max_len, show_progress=show)
-    how = f"{pooling} pooling" + (", normalized" if args.normalize else "")
+    emb = embed_texts(model, tok, unique, pooling=pooling, normalize=normalize, batch_size=args.batch_size,
+                      max_len=max_len, show_progress=show)
+    how = f"{pooling} pooling" + (", normalized" if normalize else "")
 
     if not args.similarity:
         out = Path(args.out)
@@ -155,8 +159,10 @@ def add_embed_parser(sub) -> argparse.ArgumentParser:
                    "atomically)")
     s.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     s.add_argument("--pooling", choices=["mean", "cls", "last"],
-                   help="mean (default; over real tokens), cls (first token; encoders), last (last token; decoders)")
-    s.add_argument("--normalize", action="store_true", help="scale every embedding to unit length")
+                   help="mean (default; over real tokens), cls (first token; encoders), last (last token; decoders); "
+                   "default for a sentence-transformers folder: its Pooling module's")
+    s.add_argument("--normalize", action="store_true", help="scale every embedding to unit length (a "
+                   "sentence-transformers folder with a Normalize module: always)")
     s.add_argument("--batch-size", type=int, default=32, metavar="N", help="texts per forward pass (default 32)")
     s.add_argument("--max-len", type=int, metavar="N",
                    help="most tokens per text, special tokens included (default: the model's maximum)")
