@@ -42,6 +42,7 @@ TASKS: dict[str, str] = {
     "reward": "prompt, chosen, rejected (margin): a reward model, a scalar head on a decoder (TRL's RewardTrainer)",
     "grpo": "prompt (+ fields the rewards read): RL from verifiable rewards (TRL's GRPO); --reward NAME, --steps N",
     "embedding": "anchor, positive (negative) or text_a, text_b, score: sentence embeddings, MNRL / CoSENT (ST's)",
+    "rerank": "query, positive, negative (or document, label): a cross-encoder scores pairs, listwise or BCE",
 }
 
 # parameter-efficient methods (`pretune finetune --peft NAME`, or a '+' combination)

@@ -32,9 +32,9 @@ def folder(tmp_path_factory):
     """A tiny random-weight BERT (every parameter perturbed) and a word-level WordPiece vocabulary, saved as a
     Hugging Face folder both libraries read."""
     d = tmp_path_factory.mktemp("tiny_bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "in", "with", "an", "has", "of"]
-    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok = transformers.BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
+    vocab = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS,
+                                "in", "with", "an", "has", "of"]))
+    tok = transformers.BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
     cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
@@ -51,6 +51,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(folder):
     loaded = load_pretrained(folder)
+    assert loaded.tokenizer.unk_id not in loaded.tokenizer.encode("the cat sat on the mat")  # real words, no [UNK]
     return loaded.model.with_head(head="none").eval(), loaded.tokenizer
 
 

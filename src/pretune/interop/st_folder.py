@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 
-__all__ = ["STModules", "read_st_modules", "write_st_folder"]
+__all__ = ["STModules", "read_st_modules", "write_st_folder", "write_hf_in_place"]
 
 # sentence-transformers' Pooling flags <-> pretune's poolings ("lasttoken" is ST's name for the last real token)
 _MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
@@ -89,24 +89,8 @@ def write_st_folder(model, tokenizer, folder: str | os.PathLike, *, pooling: str
         tokenizer: its :class:`~pretune.io.tokenization.Tokenizer` (its special tokens go to tokenizer_config.json).
         pooling: mean, cls or last; normalize: a Normalize module; max_seq_length: tokens per text.
     """
-    from . import to_hf
-
     folder = Path(folder)
-    tmp = folder.parent / f".{folder.name}.hf-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        to_hf(model, tmp)
-        written = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
-        for name in written:
-            os.replace(tmp / name, folder / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    roles = getattr(tokenizer, "roles", None) or {}
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_length,
-               "clean_up_tokenization_spaces": False,
-               **{f"{role}_token": text for role, text in roles.items()
-                  if role in ("cls", "sep", "pad", "unk", "mask", "bos", "eos")}}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    written = write_hf_in_place(model, tokenizer, folder, max_seq_length=max_seq_length)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -123,5 +107,32 @@ def write_st_folder(model, tokenizer, folder: str | os.PathLike, *, pooling: str
     (folder / "config_sentence_transformers.json").write_text(
         json.dumps({"model_type": "SentenceTransformer", "prompts": {}, "default_prompt_name": None,
                     "similarity_fn_name": "cosine"}, indent=2) + "\n")
-    return written + ["tokenizer_config.json", "modules.json", "1_Pooling", "sentence_bert_config.json",
+    return written + ["modules.json", "1_Pooling", "sentence_bert_config.json",
                       "config_sentence_transformers.json"] + (["2_Normalize"] if normalize else [])
+
+
+def write_hf_in_place(model, tokenizer, folder: str | os.PathLike, *, max_seq_length: int) -> list[str]:
+    """Replace the pretune checkpoint files of ``folder`` (written by a run) with ``model``'s Hugging Face config and
+    weights (``interop.to_hf``: a task head becomes its ``*ForSequenceClassification``), and write a
+    ``tokenizer_config.json`` for ``tokenizer.json``, so ``transformers.AutoTokenizer`` and ``AutoModel*`` load the
+    folder; the folder's other files (task.json, run.yaml) stay. Returns the top-level entries written."""
+    from . import to_hf
+
+    folder = Path(folder)
+    tmp = folder.parent / f".{folder.name}.hf-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        to_hf(model, tmp)
+        written = [p.name for p in tmp.iterdir() if not p.name.startswith(".")]
+        for name in written:
+            os.replace(tmp / name, folder / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    roles = getattr(tokenizer, "roles", None) or {}
+    types = ["token_type_ids"] if model.config.token_types >= 2 else []  # BERT's segment ids reach the model
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_length,
+               "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids", *types, "attention_mask"],
+               **{f"{role}_token": text for role, text in roles.items()
+                  if role in ("cls", "sep", "pad", "unk", "mask", "bos", "eos")}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return written + ["tokenizer_config.json"]

@@ -18,6 +18,7 @@ from .grpo import GRPO
 from .kto import KTO
 from .multilabel import Multilabel
 from .qa import QA
+from .rerank import Rerank
 from .reward import Reward
 from .seq2seq import Seq2Seq
 from .sft import SFT
@@ -25,7 +26,7 @@ from .tagging import Tagging
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, Pair, Regression, Tagging, QA, Seq2Seq,
                                                           SFT, Choice, Multilabel, DPO, KTO, Reward,
-                                                          GRPO, Embedding)}
+                                                          GRPO, Embedding, Rerank)}
 TASK_METRICS: dict[str, list[str]] = {name: list(cls.metrics) for name, cls in TASKS.items()}  # what each reports
 DEFAULT_METRIC: dict[str, str] = {name: cls.default_metric for name, cls in TASKS.items()}  # model selection
 
