@@ -99,3 +99,11 @@ def test_bad_base_dtypes_are_named():
         peft.PeftConfig(method="lora", base_dtype="nf2").validated()
     with pytest.raises(ConfigError, match=r"peft.base_dtype=nf4 stores the frozen base of a PEFT run quantised"):
         peft.config.base_dtype_for(peft.PeftConfig(base_dtype="nf4"), "fp32")
+
+
+def test_nf4_dequantises_to_torchaos_values():
+    """NF4Linear's faster dequantisation (a code-byte table) gives torchao's get_original_weight bitwise."""
+    from pretune.model.fast.quantized import NF4Linear
+
+    layer = NF4Linear(torch.randn(96, 128, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(layer.dequantized(torch.bfloat16), layer.nf4.get_original_weight())

@@ -65,8 +65,9 @@ class QuantizedLinear(nn.Module):
         return (self._joint[0], self._joint[1]) if self._joint else None
 
     # -- what a subclass provides
-    def _dequantized(self) -> torch.Tensor:
-        """The (padded) weight as a float tensor (out_padded, in_padded)."""
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (padded) weight (out_padded, in_padded) in ``dtype`` (fp32: exactly what the codes stand for; bf16:
+        computed in bf16, one rounding more)."""
         raise NotImplementedError
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -79,7 +80,7 @@ class QuantizedLinear(nn.Module):
         if self.joint is not None:
             joint, start = self.joint
             return joint.dequantized(dtype).narrow(0, start, self.out_features)
-        w = self._dequantized()
+        w = self._dequantized(dtype)
         return w[: self.out_features, : self.in_features].to(dtype)
 
     @property
@@ -169,8 +170,8 @@ class Int8Linear(QuantizedLinear):
     def _in_padded(self) -> int:
         return self.qweight.shape[1]
 
-    def _dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]  # (|q| <= 127: exact in bf16)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self._scales_bf16 is None or self._scales_bf16.device != self.scales.device:
@@ -204,7 +205,7 @@ class Int4Linear(QuantizedLinear):
     def _in_padded(self) -> int:
         return self.scales_and_zeros.shape[0] * self.group
 
-    def _dequantized(self) -> torch.Tensor:
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         # the kernel applied to the identity: (in, out) = W^T, exactly the weights it multiplies by
         eye = torch.eye(self._in_padded, dtype=torch.bfloat16, device=self.packed.device)
         return self._kernel(eye).t().float()
@@ -233,13 +234,23 @@ class NF4Linear(QuantizedLinear):
         scaler_block = max(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % b == 0)  # torchao's default 256
         self.nf4 = to_nf4(w, NF4_BLOCK, scaler_block)  # a tensor subclass (a plain attribute: moved by _apply)
         self.nf4.requires_grad_(False)
+        self._pairs = None  # the code-byte table of _dequantized, made on first use
 
     def _stored(self) -> list[torch.Tensor]:
         t = self.nf4
         return [t.quantized_data, t.quantized_scalers, t.quantization_factor, t.scaler_mean, t.nf4]
 
-    def _dequantized(self) -> torch.Tensor:
-        return self.nf4.get_original_weight()
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """torchao's ``get_original_weight`` values, bitwise, ~4x faster on a CPU (measured: 98 vs 394 ms for a 3072
+        x 576 weight): each code byte looks its two values up in a 256-row table at once (torchao widens every code
+        to int64 and looks it up alone), then each block of 64 is scaled by its dequantised scaler."""
+        t = self.nf4
+        if self._pairs is None or self._pairs.device != t.nf4.device:
+            byte = torch.arange(256, device=t.nf4.device)
+            self._pairs = torch.stack([t.nf4[byte >> 4], t.nf4[byte & 15]], dim=-1)  # (256, 2): (high, low) nibble
+        scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
+        w = self._pairs[t.quantized_data.long()].view(-1, t.block_size) * scalers[:, None]  # in bf16, as torchao
+        return w.view(self.out_features, self.in_features).to(dtype)
 
     def __deepcopy__(self, memo):
         """A copy sharing the frozen NF4 codes (torchao's NF4Tensor re-quantises when deep-copied, with its default
