@@ -101,6 +101,10 @@ def add_bench_parser(sub) -> None:
          "each run in its own process, alternating. Reports steps/s, peak RSS, their ratios and whether pretune is "
          ">= 2x faster at <= 0.8x the memory, the tokens each side generated and read (checked equal) and the share "
          "of each step spent sampling."),
+        ("serve", "pretune serve vs transformers serve: 1, 4, 16 streaming clients' tokens/s and time to first token",
+         "Starts pretune serve and transformers serve (each its own process, alternating, --rounds rounds) on "
+         "SmolLM2-135M-Instruct (fp32, CPU) and runs 1, 4 and 16 concurrent clients, each streaming greedy "
+         "completions over HTTP; reports total tokens/s, time to first token p50/p95 and the ratios."),
         ("distributed", "peak memory per process DDP vs FSDP, and activation checkpointing's memory and time",
          "Under torchrun with 2 processes, a gpt2-medium-sized model's AdamW step with DDP and with FSDP (peak RSS per "
          "process, step time); in one process, a gpt2-sized step at sequence length 1024 with and without activation "
