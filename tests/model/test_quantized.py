@@ -33,7 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("fmt", [Int8Linear, Int4Linear])
 @pytest.mark.parametrize("shape", [(48, 64), (100, 24)])  # (out, in); the second padded for both kernels
-@pytest.mark.parametrize("rows", [1, 3, 40])  # the kernel (few rows) and the dequantised matmul (many)
+@pytest.mark.parametrize("rows", [1, 3, 40])  # one token, a few rows, a prompt's many: the kernels
 def test_a_layer_multiplies_by_its_dequantised_weight(fmt, shape, rows):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)

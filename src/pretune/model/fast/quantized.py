@@ -15,9 +15,9 @@ speed-up left for an eager CPU step. The formats and their kernels (PyTorch's ow
 
 The kernels want shapes the CPU code was written for (int8: inputs a multiple of 16; int4: outputs a multiple of 16
 and whole groups): other shapes are padded with zero rows/columns when quantised (exact: zero weights add nothing).
-A matmul of many rows (a prompt, a training batch) or one that needs gradients dequantises the weight and runs
-``F.linear`` (the kernels are matrix-vector kernels); no weight gradient is ever computed (the layer is frozen), the
-input's gradient is taken through the dequantised weight, recomputed in the backward rather than kept.
+Outside autograd on a CPU every matmul (one token, a prompt) runs the kernel; one that needs gradients (QLoRA) or
+runs elsewhere dequantises the weight and runs ``F.linear``; no weight gradient is ever computed (the layer is frozen),
+the input's gradient is taken through the dequantised weight, recomputed in the backward rather than kept.
 
 Layers that read one input (q/k/v, an FFN's gate and up) are quantised as one stacked matrix, one kernel call for
 all of them (``FusedLinears`` and the flat decoding step use it); each projection keeps its own module, which
@@ -40,7 +40,6 @@ MODES = ("int8", "int4")  # pretune.quantize: decoding (PyTorch's CPU kernels)
 BASE_MODES = ("nf4", "int8")  # peft.base_dtype: a QLoRA base (training)
 INT4_GROUP = 32  # inputs sharing one int4 (scale, zero): the kernel takes 32, 64, 128 or 256
 NF4_BLOCK = 64  # torchao's (and QLoRA's) NF4 block: 64 weights share one absmax scale
-MANY_ROWS = 16  # from this many input rows on, dequantise and run F.linear (the kernels are matrix-vector ones)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what quantize swaps
 
 
@@ -108,7 +107,7 @@ class QuantizedLinear(nn.Module):
             return _DequantizedLinear.apply(x.to(dtype), self, bias)
         rows = x.reshape(-1, x.shape[-1])  # (M, in)
         y = None
-        if rows.shape[0] < MANY_ROWS and x.is_cpu:
+        if x.is_cpu:  # the kernels, whatever the rows (faster than dequantising at 1, 32 and 512 rows: BENCHMARKS.md)
             k_pad = self._in_padded - self.in_features
             y = self._kernel(F.pad(rows, (0, k_pad)) if k_pad else rows)
         if y is None:
