@@ -139,3 +139,21 @@ def test_a_run_exports_what_cross_encoder_scores_alike(folder, tmp_path):
     with torch.no_grad():
         got = task.scores(loaded.model.eval(), batch)
     torch.testing.assert_close(got, want[:3].float(), atol=1e-5, rtol=0)
+
+
+def test_a_model_transformers_cannot_hold_stays_a_pretune_checkpoint(ours, tmp_path):
+    """BERT without its pooler classifies [CLS] with pretune's dense + tanh, which no BertForSequenceClassification
+    computes: model/ keeps pretune's files and the run says why."""
+    import pretune
+    from pretune.io.checkpoint import save
+
+    model, tok = ours
+    bare = pretune.build_model(model.config.replace(pooler=False, pooling=None))
+    save(bare, tmp_path / "model", tokenizer=tok)
+    before = sorted(p.name for p in (tmp_path / "model").iterdir())
+    lines = []
+    task = build_task(TaskConfig(name="rerank"), bare.config, tok)
+    assert task.write_model_files(bare, tok, tmp_path / "model", lines.append) == []
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == before
+    assert len(lines) == 1 and "stays a pretune checkpoint" in lines[0]
+    assert load_pretrained(tmp_path / "model").model.config.sentence_pooling == "cls"

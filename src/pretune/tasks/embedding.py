@@ -228,13 +228,19 @@ class Embedding(Task):
                 "n_docs": torch.tensor(n_docs, dtype=torch.long),
                 "has_positive": torch.tensor([e["positive_ids"] is not None for e in examples])}
 
-    def write_model_files(self, model, tokenizer, model_dir) -> list[str]:
+    def write_model_files(self, model, tokenizer, model_dir, log=print) -> list[str]:
         """Make the run's ``model/`` a sentence-transformers folder with this task's pooling, normalisation and max
-        length (``SentenceTransformer(model_dir)`` loads it; pretune reads it as a Hugging Face folder)."""
+        length (``SentenceTransformer(model_dir)`` loads it; pretune reads it as a Hugging Face folder). A model
+        no Hugging Face class holds stays a pretune checkpoint, and ``log`` says why."""
+        from ..interop import InteropError
         from ..interop.st_folder import write_st_folder
 
-        return write_st_folder(model, tokenizer, model_dir, pooling=self.pooling, normalize=self.cfg.normalize,
-                               max_seq_length=self.max_len)
+        try:
+            return write_st_folder(model, tokenizer, model_dir, pooling=self.pooling, normalize=self.cfg.normalize,
+                                   max_seq_length=self.max_len)
+        except InteropError as e:
+            log(f"model/ stays a pretune checkpoint (pretune embed reads it), not a sentence-transformers folder: {e}")
+            return []
 
     # -- model side -------------------------------------------------------------------------------------------
     def embed(self, model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -193,12 +193,19 @@ class Rerank(Task):
         stats = {f"{self.term}_loss": float(total.detach()), f"{self.term}_correct": float(correct)}
         return total / totals[self.term], stats
 
-    def write_model_files(self, model, tokenizer, model_dir) -> list[str]:
+    def write_model_files(self, model, tokenizer, model_dir, log=print) -> list[str]:
         """The run's ``model/`` as a Hugging Face ``*ForSequenceClassification`` folder with one label, which
-        ``sentence_transformers.CrossEncoder(model_dir)`` loads; pretune reads it as a Hugging Face folder."""
+        ``sentence_transformers.CrossEncoder(model_dir)`` loads; pretune reads it as a Hugging Face folder. A model
+        whose head no Hugging Face class computes (e.g. BERT without its pooler) stays a pretune checkpoint, and
+        ``log`` says why."""
+        from ..interop import InteropError
         from ..interop.st_folder import write_hf_in_place
 
-        return write_hf_in_place(model, tokenizer, model_dir, max_seq_length=self.max_len)
+        try:
+            return write_hf_in_place(model, tokenizer, model_dir, max_seq_length=self.max_len)
+        except InteropError as e:
+            log(f"model/ stays a pretune checkpoint (pretune evaluate reads it), not a CrossEncoder folder: {e}")
+            return []
 
     # -- evaluation -------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -51,7 +51,7 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     if dist.is_main:
         extra = job.method.save(model, job.tokenizer, model_dir, cfg, log)
         if hasattr(task, "write_model_files") and not job.method.name.startswith("peft"):  # embedding: an ST folder
-            mark(model_dir, task.write_model_files(model, job.tokenizer, model_dir))
+            mark(model_dir, task.write_model_files(model, job.tokenizer, model_dir, log))
         cfg.save(model_dir / "run.yaml")
         mark(model_dir, ["run.yaml"])
     if history and not cfg.tune.keep_best:
