@@ -162,6 +162,14 @@ def test_cli_quantize_flag(tokenizers_by_kind, tmp_path, capsys):
     new = generate(q, ids, max_new_tokens=5, min_new_tokens=5, eos_token_id=eos, pad_token_id=pad)[0, ids.shape[1]:]
     assert got == _text(new.tolist(), tok, eos, pad)
 
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": lb}) + "\n" for t, lb in (("a fine day", "pos"),
+                                                                                     ("a dull day", "neg"))))
+    res = tmp_path / "p.jsonl"
+    assert main(["prompt", str(folder), "--data", str(data), "--template", "Text: {text}\nMood:", "--labels",
+                 "pos=good,neg=bad", "--out", str(res), "--quiet", "--quantize", "int4"]) == 0
+    assert len(res.read_text().splitlines()) == 2
+
     with pytest.raises(SystemExit):
         main(["generate", str(folder), "x", "--quantize", "int3"])
     assert "invalid choice: 'int3' (choose from int8, int4)" in capsys.readouterr().err.replace("'int8', 'int4'",
