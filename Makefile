@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-slow test-gpu install-llamacpp test-llamacpp demo bench lint clean
+.PHONY: install test test-slow test-gpu install-llamacpp test-llamacpp test-browser demo bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -38,6 +38,14 @@ install-llamacpp: install
 
 test-llamacpp: install-llamacpp
 	$(PY) -m pytest -q -m llamacpp tests/interop/test_gguf_llamacpp.py
+
+# the chat page of pretune serve in a headless Chromium: Debian's chromium + chromium-driver (apt-get, as root) and
+# Selenium driving them (no browser download)
+test-browser: install
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
+	$(PIP) install -q "selenium>=4.20"
+	$(PY) -m pytest -q -m browser tests/serve/test_page_browser.py
 
 # OMP_WAIT_POLICY=PASSIVE: idle torch threads sleep instead of spinning; on a busy 2-core machine spinning
 # threads steal the cores the working ones need (measured: a training step 5-8x slower with 2 threads)
