@@ -1,7 +1,8 @@
 """Does `pretune finetune --task embedding` learn? MiniLM trained on a few hundred WordNet pairs, held-out retrieval
 against the untouched MiniLM and BM25 on the same queries and corpus.
 
-The pairs are honest: each is one WordNet sense of the bundled wordnet_defines set (Princeton WordNet 3.0 glosses),
+The pairs are honest: each is one WordNet sense of the shared data's wordnet_defines set (../shared/data/tasks;
+Princeton WordNet 3.0 glosses; the package bundles a prefix of it),
 its definition (the gloss before its first quoted example) as the query and its first usage example as the positive:
 "beyond a norm in views or actions" -> "an extreme conservative". Training pairs come from the set's train split,
 the dev pairs from its dev split, the held-out queries and corpus (every held-out usage example) from its test split;
