@@ -137,8 +137,8 @@ def test_bad_values_are_named():
 
 
 def test_cli_quantize_flag(tokenizers_by_kind, tmp_path, capsys):
-    """generate --quantize int8 writes what pretune.quantize + generate give; evaluate and prompt take the flag; bad
-    values and combinations are refused by name."""
+    """generate --quantize int4 (the model cast to --dtype after quantising) writes what pretune.quantize + generate
+    give; prompt takes the flag; bad values and combinations are refused by name."""
     import json
 
     from pretune.cli import main
@@ -153,9 +153,9 @@ def test_cli_quantize_flag(tokenizers_by_kind, tmp_path, capsys):
     pretune.save(model, folder, tokenizer=tok.tk)
     out = tmp_path / "gen.jsonl"
     assert main(["generate", str(folder), "It is a truth", "--max-new-tokens", "5", "--min-new-tokens", "5",
-                 "--quantize", "int8", "--out", str(out), "--no-stream"]) == 0
+                 "--quantize", "int4", "--out", str(out), "--no-stream"]) == 0
     got = json.loads(out.read_text())["generated"][0]
-    q = pretune.quantize(pretune.load(folder).eval().requires_grad_(False), "int8")
+    q = pretune.quantize(pretune.load(folder).eval().requires_grad_(False), "int4")
     ids = torch.tensor([prompt_ids("It is a truth", tok, q)])
     eos = q.config.eos_token_id if q.config.eos_token_id is not None else tok.eos_id
     pad = tok.pad_id if tok.pad_id is not None else eos

@@ -209,6 +209,12 @@ class Int4Linear(QuantizedLinear):
         eye = torch.eye(self._in_padded, dtype=torch.bfloat16, device=self.packed.device)
         return self._kernel(eye).t().float()
 
+    def _apply(self, fn, recurse=True):  # a model.to(dtype=...) casts float buffers: the kernel takes bf16 only
+        out = super()._apply(fn, recurse)
+        if self.scales_and_zeros.dtype != torch.bfloat16:
+            self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        return out
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group,
                                                           self.scales_and_zeros)
