@@ -140,40 +140,23 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
         if s.stream:
             async def events():
-                try:
-                    for i in range(len(run.choices)):
-                        yield sse(chunk(i, {"role": "assistant", "content": ""}))
-                    open_ = len(run.choices)
-                    while open_:
-                        event = await run.next()
-                        if event is None:
-                            continue
-                        i, new, ended = run.handle(event)
-                        c = run.choices[i]
-                        if ended:
-                            if c.error:
-                                yield sse(ApiError(500, f"generation failed: {c.error}", type="server_error").body())
-                            rest = c.last_delta()
-                            if rest:
-                                yield sse(chunk(i, {"content": rest}))
-                            yield sse(chunk(i, {}, c.finish))
-                            open_ -= 1
-                            continue
-                        text = c.delta()
-                        if text or (s.logprobs is not None and _visible(server, new)):
-                            yield sse(chunk(i, {"content": text}, tokens=_visible(server, new)))
-                    stats = run.stats()
-                    if s.include_usage:
-                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                                   "choices": [], "usage": P.usage(stats["prompt_tokens"],
-                                                                   stats["completion_tokens"])})
-                    yield b"data: [DONE]\n\n"
-                    log_line(rid, "/v1/chat/completions", 200, name, stats, "stream")
-                finally:
-                    if any(c.finish is None for c in run.choices):
-                        run.cancel()
-                        log_line(rid, "/v1/chat/completions", 499, name, run.stats(), "client went away: cancelled")
-            return streaming(events())
+                for i in range(len(run.choices)):
+                    yield sse(chunk(i, {"role": "assistant", "content": ""}))
+                async for i, c, new, ended in _choice_events(run):
+                    if ended:
+                        if c.error:
+                            yield _failed(c)
+                        rest = c.last_delta()
+                        if rest:
+                            yield sse(chunk(i, {"content": rest}))
+                        yield sse(chunk(i, {}, c.finish))
+                        continue
+                    text = c.delta()
+                    if text or (s.logprobs is not None and _visible(server, new)):
+                        yield sse(chunk(i, {"content": text}, tokens=_visible(server, new)))
+            fields = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
+            return streaming(_streamed(run, events(), path="/v1/chat/completions", head=fields,
+                                       include_usage=s.include_usage))
 
         await _wait(run, request, rid, "/v1/chat/completions", name)
         choices = []
@@ -251,45 +234,28 @@ def add_routes(app: FastAPI, server: Server) -> None:
                 def chunk(i, text, finish=None, lp=None):
                     return {"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
-                try:
-                    if s.echo:
-                        for i in range(n_choices):
-                            lp = legacy(i, [], 0, True) if scored is not None else None
-                            yield sse(chunk(i, texts[prompt_of(i)], lp=lp))
-                    open_ = n_choices
-                    offsets = [len(texts[prompt_of(i)]) if s.echo else 0 for i in range(n_choices)]
-                    while open_:
-                        event = await run.next()
-                        if event is None:
-                            continue
-                        i, new, ended = run.handle(event)
-                        c = run.choices[i]
-                        if ended:
-                            if c.error:
-                                yield sse(ApiError(500, f"generation failed: {c.error}", type="server_error").body())
-                            yield sse(chunk(i, c.last_delta(), c.finish))
-                            open_ -= 1
-                            continue
-                        text = c.delta()
-                        visible = _visible(server, new)
-                        if text or (s.logprobs is not None and visible):
-                            lp = None
-                            if s.logprobs is not None:
-                                lp = legacy(i, visible, offsets[i], False)
-                            offsets[i] += len(text)
-                            yield sse(chunk(i, text, lp=lp))
-                    stats = run.stats()
-                    if s.include_usage:
-                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                                   "choices": [], "usage": P.usage(stats["prompt_tokens"],
-                                                                   stats["completion_tokens"])})
-                    yield b"data: [DONE]\n\n"
-                    log_line(rid, "/v1/completions", 200, name, stats, "stream")
-                finally:
-                    if any(c.finish is None for c in run.choices):
-                        run.cancel()
-                        log_line(rid, "/v1/completions", 499, name, run.stats(), "client went away: cancelled")
-            return streaming(events())
+                if s.echo:
+                    for i in range(n_choices):
+                        lp = legacy(i, [], 0, True) if scored is not None else None
+                        yield sse(chunk(i, texts[prompt_of(i)], lp=lp))
+                offsets = [len(texts[prompt_of(i)]) if s.echo else 0 for i in range(n_choices)]
+                async for i, c, new, ended in _choice_events(run):
+                    if ended:
+                        if c.error:
+                            yield _failed(c)
+                        yield sse(chunk(i, c.last_delta(), c.finish))
+                        continue
+                    text = c.delta()
+                    visible = _visible(server, new)
+                    if text or (s.logprobs is not None and visible):
+                        lp = None
+                        if s.logprobs is not None:
+                            lp = legacy(i, visible, offsets[i], False)
+                        offsets[i] += len(text)
+                        yield sse(chunk(i, text, lp=lp))
+            fields = {"id": rid, "object": "text_completion", "created": created, "model": name}
+            return streaming(_streamed(run, events(), path="/v1/completions", head=fields,
+                                       include_usage=s.include_usage))
 
         if run is not None:
             await _wait(run, request, rid, "/v1/completions", name)
@@ -345,6 +311,42 @@ def add_routes(app: FastAPI, server: Server) -> None:
         log_line(request.state.rid, "/v1/embeddings", 200, body["model"], note=f"in={n_tokens}")
         return JSONResponse({"object": "list", "data": data, "model": body["model"],
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+
+async def _streamed(run: Run, events, *, path: str, head: dict, include_usage: bool):
+    """A streamed response: ``events`` (its SSE chunks), then the usage chunk (when asked; ``head``: the chunks' id,
+    object, created and model), ``[DONE]`` and the log line. If it stops before every choice of ``run`` has ended
+    (the client went away), the run is cancelled and logged as 499."""
+    rid, name = head["id"], head["model"]
+    try:
+        async for event in events:
+            yield event
+        stats = run.stats()
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": P.usage(stats["prompt_tokens"], stats["completion_tokens"])})
+        yield b"data: [DONE]\n\n"
+        log_line(rid, path, 200, name, stats, "stream")
+    finally:
+        if any(c.finish is None for c in run.choices):
+            run.cancel()
+            log_line(rid, path, 499, name, run.stats(), "client went away: cancelled")
+
+
+async def _choice_events(run: Run):
+    """``run``'s events as (choice index, choice, its new tokens, whether it ended) until every choice has ended."""
+    open_ = len(run.choices)
+    while open_:
+        event = await run.next()
+        if event is None:
+            continue
+        i, new, ended = run.handle(event)
+        open_ -= ended
+        yield i, run.choices[i], new, ended
+
+
+def _failed(choice) -> bytes:
+    """The error event a stream sends before the last chunk of a choice whose generation failed."""
+    return sse(ApiError(500, f"generation failed: {choice.error}", type="server_error").body())
 
 
 async def _wait(run: Run, request: Request, rid: str, path: str, name: str) -> None:
