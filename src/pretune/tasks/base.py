@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
@@ -88,6 +89,23 @@ def get_field(rec: Record, name: str, kind: type | tuple[type, ...] = str, *, wh
     field, the error says which task setting names it (spelled as :func:`setting_form` says)."""
     form = _SETTING_FORM.get().format(key=_field_key(name))
     return _get_field(rec, name, kind, what=what, hint=f"Set the task's field name (e.g. {form})")
+
+
+def get_number(rec: Record, name: str, *, what: str) -> float:
+    """``rec.data[name]`` as a float: a number (``what`` says what it means), not a boolean, finite; else a DataError
+    naming the row and the field."""
+    value = get_field(rec, name, (int, float), what=what)
+    if isinstance(value, bool) or not math.isfinite(value):
+        raise DataError(f"{rec.where}: field {name!r} is {value!r}; expected a finite number")
+    return float(value)
+
+
+def same_kind(rec: Record, kind: str, first: str | None) -> str:
+    """``kind`` (what kind of record ``rec`` is, for a task that reads several) if it is ``first``, the kind of the
+    file's first record (None: ``rec`` is the first); else a DataError: one file holds one kind."""
+    if first is not None and kind != first:
+        raise DataError(f"{rec.where}: a {kind} record among {first} records; one file holds one kind")
+    return kind
 
 
 def label_text(rec: Record, name: str, label: str, *, what: str = "label", expected: str = "a class name") -> str:

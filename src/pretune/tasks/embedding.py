@@ -30,7 +30,6 @@ report the Spearman correlation of cosine and score.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..data.readers import DataError
 from ..model.layout import layout_of
-from .base import Layout, Record, Task, TaskConfig, get_field
+from .base import Layout, Record, Task, TaskConfig, get_field, get_number, same_kind
 
 POOLINGS = ("mean", "cls", "last")
 RETRIEVAL_METRICS = ("ndcg@10", "mrr@10", "map", "recall@1", "recall@5", "recall@10")
@@ -169,12 +168,9 @@ class Embedding(Task):
             raise DataError(f"{rec.where}: expected {c.anchor_field!r} and {c.positive_field!r} (pairs, triplets with "
                             f"{c.negative_field!r}) or {c.text_a_field!r}, {c.text_b_field!r} and {c.score_field!r} "
                             f"(scored pairs); the record has: {have}")
-        if self.kind is None:
-            self.kind = kind
-            if kind == "scored":
-                self.default_metric = "spearman"  # model selection reads the metric this data reports
-        elif kind != self.kind:
-            raise DataError(f"{rec.where}: a {kind} record among {self.kind} records; one file holds one kind")
+        if self.kind is None and kind == "scored":
+            self.default_metric = "spearman"  # model selection reads the metric this data reports
+        self.kind = same_kind(rec, kind, self.kind)
         return kind
 
     def _negatives(self, rec: Record) -> list[np.ndarray]:
@@ -191,11 +187,7 @@ class Embedding(Task):
         return [self.text_layout.build(x, None, self.max_len)["input_ids"] for x in ids]
 
     def _score(self, rec: Record) -> float:
-        name = self.cfg.score_field
-        value = get_field(rec, name, (int, float), what="a number: how similar the two texts are")
-        if isinstance(value, bool) or not math.isfinite(value):
-            raise DataError(f"{rec.where}: field {name!r} is {value!r}; expected a finite number")
-        return float(value)
+        return get_number(rec, self.cfg.score_field, what="a number: how similar the two texts are")
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         c = self.cfg

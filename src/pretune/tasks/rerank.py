@@ -21,7 +21,6 @@ ndcg@10 (gain = the label), mrr@10 (the first relevant one) and map.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..data.readers import DataError
-from .base import Layout, Record, Task, TaskConfig, get_field
+from .base import Layout, Record, Task, TaskConfig, get_field, get_number, same_kind
 
 
 @dataclass
@@ -113,10 +112,7 @@ class Rerank(Task):
             raise DataError(f"{rec.where}: expected {c.query_field!r} with {c.positive_field!r} and "
                             f"{c.negative_field!r}, or with {c.document_field!r} and {c.label_field!r}; the record "
                             f"has: {have}")
-        if self.kind is None:
-            self.kind = kind
-        elif kind != self.kind:
-            raise DataError(f"{rec.where}: a {kind} record among {self.kind} records; one file holds one kind")
+        self.kind = same_kind(rec, kind, self.kind)
         return kind
 
     def _negatives(self, rec: Record) -> list[str]:
@@ -128,11 +124,7 @@ class Rerank(Task):
         return texts
 
     def _label(self, rec: Record) -> float:
-        name = self.cfg.label_field
-        value = get_field(rec, name, (int, float), what="a number: the document's relevance")
-        if isinstance(value, bool) or not math.isfinite(value):
-            raise DataError(f"{rec.where}: field {name!r} is {value!r}; expected a finite number")
-        return float(value)
+        return get_number(rec, self.cfg.label_field, what="a number: the document's relevance")
 
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         c = self.cfg
