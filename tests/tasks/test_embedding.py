@@ -12,6 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 st = pytest.importorskip("sentence_transformers")
 
+from bert_fixtures import load_tiny, tiny_bert_folder  # noqa: E402
+
 from pretune.data.readers import DataError  # noqa: E402
 from pretune.loading import load_pretrained  # noqa: E402
 from pretune.tasks import TaskConfig, build_task  # noqa: E402
@@ -31,28 +33,14 @@ TRIPLETS = [("the cat sat on the mat", "a small cat sat on a red mat", "the man 
 def folder(tmp_path_factory):
     """A tiny random-weight BERT (every parameter perturbed) and a word-level WordPiece vocabulary, saved as a
     Hugging Face folder both libraries read."""
-    d = tmp_path_factory.mktemp("tiny_bert")
-    vocab = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS,
-                                "in", "with", "an", "has", "of"]))
-    tok = transformers.BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
-    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    hf = transformers.BertModel(cfg, add_pooling_layer=False).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    hf.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert"), [*WORDS, "in", "with", "an", "has", "of"],
+                            lambda cfg: transformers.BertModel(cfg, add_pooling_layer=False))
 
 
 @pytest.fixture(scope="module")
 def ours(folder):
-    loaded = load_pretrained(folder)
-    assert loaded.tokenizer.unk_id not in loaded.tokenizer.encode("the cat sat on the mat")  # real words, no [UNK]
-    return loaded.model.with_head(head="none").eval(), loaded.tokenizer
+    model, tok = load_tiny(folder)
+    return model.with_head(head="none").eval(), tok
 
 
 @pytest.fixture(scope="module")
