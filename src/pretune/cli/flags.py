@@ -85,6 +85,9 @@ FINETUNE_FLAGS = (
          "'+' combination (sizes: peft.r=8 peft.alpha=16 peft.n_virtual=20 ...; peft.base_dtype=bf16 stores the "
          "frozen linear weights in bf16, with train.precision=bf16); the run saves a small adapter folder",
          metavar="METHOD"),
+    Flag("--add-tokens", "task.add_tokens", "new special tokens (e.g. [START] [DELIM] [EXTRACT]), each a new "
+         "embedding row starting at the mean of the others; with --peft only those rows train beside the adapter",
+         nargs="+", metavar="TOKEN"),
     Flag("--patience", "tune.patience", "early stopping after N evaluations without dev improvement", type=int),
     Flag("--lr", "train.lr", "peak learning rate (default: 5e-5 for full finetuning, each PEFT method its own; "
          "--print-config shows it)", type=float),

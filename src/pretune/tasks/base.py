@@ -14,7 +14,7 @@ import contextvars
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,6 +42,8 @@ class TaskConfig(metaclass=Owned):
     name: str = "classification"  # the downstream task: a name of pretune.tasks.TASKS (see `pretune finetune --help`)
     max_len: int = 128  # tokens per input, special tokens included (qa: per window)
     metric: str = ""  # dev metric for early stopping / keep-best; empty: the task's default
+    add_tokens: list[str] = field(default_factory=list)  # new special tokens (e.g. [DELIM]), each a new embedding
+    # row starting at the mean of the others; trained by full finetuning, or alone beside a PEFT adapter
 
     SELECTOR = "name"  # TaskConfig(name=X, ...) is task X's settings (runconfig.Owned)
 
@@ -68,6 +70,10 @@ class TaskConfig(metaclass=Owned):
         """Check the values (each rule once, here or in the subclass); raise ConfigError naming the key."""
         if self.max_len < 8:
             raise ConfigError(f"task.max_len={self.max_len} is too short (at least 8 tokens)")
+        if self.add_tokens:
+            from ..io.new_tokens import check_new_tokens
+
+            check_new_tokens(self.add_tokens)
 
 
 _SETTING_FORM = contextvars.ContextVar("setting_form", default="task.{key}=...")  # how hints spell a task setting

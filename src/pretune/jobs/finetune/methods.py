@@ -24,6 +24,7 @@ class FullMethod:
         self.default_lr = HEAD_LR if freeze_body else FULL_LR  # a linear probe trains only a fresh head
         self.base_dtype, self.base_note = "fp32", ""  # every weight stays fp32
         self.layout_note = ""  # a whole checkpoint: no adapter layout to tell
+        self.new_token_ids: list[int] = []  # task.add_tokens' ids (prepare sets them): trained with the rest
 
     def default_head_lr(self, lr: float) -> float:
         """The task head's rate when tune.head_lr is not set: the run's (full finetuning, a probe)."""
@@ -78,6 +79,7 @@ class AdapterMethod:
         self.base_note = ""  # the start line saying so, when they are cast
         self.base_bytes_saved = 0
         self.layout_note = ""  # the end of the run's line on the adapter's layout (peft's or pretune's, and why)
+        self.new_token_ids: list[int] = []  # task.add_tokens' ids (prepare sets them): their rows train, no other
 
     def default_head_lr(self, lr: float) -> float:
         """The task head's rate when tune.head_lr is not set: HEAD_LR, or the run's when that is higher."""
@@ -91,6 +93,9 @@ class AdapterMethod:
     def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
         from ... import peft
 
+        if self.new_token_ids:
+            raise ConfigError("task.add_tokens cannot be used with --peft yet: the new rows would stay frozen; "
+                              "finetune fully (no --peft)")
         self.cfg = cfg.peft  # base_dtype resolved (auto -> fp32 or bf16)
         summary = peft.inject(model, self.cfg, name="default", tokenizer=tok, seed=cfg.train.seed)
         log(f"{self.name}: {peft.format_summary(summary)}")

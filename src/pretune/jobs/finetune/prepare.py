@@ -65,6 +65,10 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         derived["task.labels"] = "read from the training and dev data"
     model, tok = build_run_model(cfg.model, tokenizer=cfg.tokenizer, head=task_cls.head_config(cfg.task, labels),
                                  from_scratch=cfg.tune.from_scratch, seed=cfg.train.seed, log=log)
+    if cfg.task.add_tokens:  # before the task reads the tokenizer: its layout may use them ([DELIM])
+        from ...io.new_tokens import add_special_tokens
+
+        tok, method.new_token_ids = add_special_tokens(model, tok, cfg.task.add_tokens, log=log)
     room = method.room(cfg, model.config)
     if cfg.task.max_len > room:
         log(f"task.max_len {cfg.task.max_len} -> {room}: the other positions go to the soft prompt")
