@@ -90,6 +90,9 @@ def test_bad_values_are_messages(tokenizers_by_kind, pairs, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"'the' is already in the tokenizer's vocabulary \(id \d+\)"):
         prepare(_cfg(tokenizers_by_kind, pairs, tmp_path / "run", 'task.add_tokens=["[A]","the"]'),
                 show_progress=False, log=_quiet)
+    with pytest.raises(ConfigError, match=r"tune.freeze_body=true: the new tokens' rows would stay"):
+        prepare(_cfg(tokenizers_by_kind, pairs, tmp_path / "run", "tune.freeze_body=true"), show_progress=False,
+                log=_quiet)
     # the flag, and a bad value through the CLI: exit code 2 and the message, no traceback
     args = ["finetune", "--preset", "tiny-gpt2", "--tokenizer", str(tokenizers_by_kind["bpe"]), "--task", "sft",
             "--train", str(pairs["train"]), "--out", str(tmp_path / "cli"), "--quiet", "--print-config"]
@@ -97,3 +100,73 @@ def test_bad_values_are_messages(tokenizers_by_kind, pairs, tmp_path, capsys):
     assert "- '[START]'" in capsys.readouterr().out
     assert main([*args, "--add-tokens", "[START]", " "]) == 2
     assert "task.add_tokens: ' ' is not a token" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def base_dir(tokenizers_by_kind, tmp_path_factory):
+    """A tiny GPT-2 saved as a pretune checkpoint (an adapter records its base folder)."""
+    import pretune
+    from pretune.io.tokenization import Tokenizer
+
+    tok = Tokenizer.load(tokenizers_by_kind["bpe"])
+    torch.manual_seed(0)
+    model = pretune.build_model("tiny-gpt2", vocab_size=tok.vocab_size, pad_token_id=tok.pad_id or 0)
+    return pretune.save(model, tmp_path_factory.mktemp("base") / "base", tokenizer=tok.tk)
+
+
+def test_under_lora_only_the_new_rows_train_and_peft_loads_the_adapter(tokenizers_by_kind, pairs, base_dir,
+                                                                       tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft_lib = pytest.importorskip("peft")
+    import pretune
+    from pretune import to_hf
+    from pretune.peft import merged_model
+
+    cfg = _cfg(tokenizers_by_kind, pairs, tmp_path / "run", f"model.init={base_dir}", "model.preset=null",
+               "peft.method=lora", "train.lr=5e-2")
+    res = finetune(cfg, show_progress=False, log=_quiet)
+    base = load(base_dir)
+    tuned = pretune.load(res.model_dir)  # the base it recorded, grown to the new tokens, the adapter in place
+    meta = json.loads((res.model_dir / "adapter_config.json").read_text())
+    n_old = base.config.vocab_size
+    assert meta["trainable_token_indices"] == [n_old, n_old + 1, n_old + 2]
+    # the base table is frozen bit for bit; only the new rows moved from their start (the mean of the others)
+    embed = tuned.transformer.embed
+    assert torch.equal(embed.base_layer.weight[:n_old], base.transformer.embed.weight)
+    start = base.transformer.embed.weight.mean(0)
+    rows = embed.trainable_tokens_delta["default"]
+    assert all(not torch.allclose(r, start) for r in rows)
+    merged = merged_model(tuned)
+    w = merged.transformer.embed.weight
+    assert torch.equal(w[:n_old], base.transformer.embed.weight) and torch.equal(w[n_old:], rows.detach())
+
+    # peft: the exported base, resized to the adapter's tokenizer, with the adapter: the same logits
+    hf_base = to_hf(base, tmp_path / "hf", tokenizer_dir=base_dir)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(res.model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_base)
+    hf.resize_token_embeddings(len(hf_tok))
+    hf = peft_lib.PeftModel.from_pretrained(hf, res.model_dir).eval()
+    ids = hf_tok("[START] the house [DELIM] the walk [EXTRACT]", add_special_tokens=False)["input_ids"]
+    assert n_old + 1 in ids
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        theirs, ours = hf(input_ids=x).logits, tuned.eval()(x).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged(x).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_pretunes_adapter_layout_keeps_the_rows_too(tokenizers_by_kind, pairs, base_dir, tmp_path):
+    import pretune
+
+    cfg = _cfg(tokenizers_by_kind, pairs, tmp_path / "run", f"model.init={base_dir}", "model.preset=null",
+               "peft.method=ia3", "train.steps=2")
+    res = finetune(cfg, show_progress=False, log=_quiet)
+    meta = json.loads((res.model_dir / "pretune_adapter.json").read_text())
+    assert meta["layout"] == "pretune" and len(meta["new_tokens"]) == 3
+    tuned, base = pretune.load(res.model_dir), load(base_dir)
+    rows = tuned.transformer.embed.trainable_tokens_delta["default"]
+    assert not torch.allclose(rows[0], base.transformer.embed.weight.mean(0))  # trained, and read back
+    x = torch.tensor([[5, meta["new_tokens"][1], 9]])
+    with torch.no_grad():
+        plain = pretune.peft.merged_model(tuned)(x).logits
+        torch.testing.assert_close(tuned.eval()(x).logits, plain)

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ConfigError
 from .tokenization import Tokenizer
 
-__all__ = ["add_special_tokens", "check_new_tokens"]
+__all__ = ["add_special_tokens", "check_new_tokens", "grow_vocab"]
 
 
 def check_new_tokens(tokens: Sequence[str], *, key: str = "task.add_tokens") -> None:
@@ -34,7 +34,8 @@ def check_new_tokens(tokens: Sequence[str], *, key: str = "task.add_tokens") -> 
         seen.add(t)
 
 
-def add_special_tokens(model: nn.Module, tok: Tokenizer, tokens: Sequence[str], *, log=print) -> tuple[Tokenizer, list[int]]:
+def add_special_tokens(model: nn.Module, tok: Tokenizer, tokens: Sequence[str], *,
+                       log=print) -> tuple[Tokenizer, list[int]]:
     """Add ``tokens`` to ``tok`` as special tokens and give each a row in ``model``'s token embedding and LM head.
 
     Args:
@@ -63,6 +64,14 @@ def add_special_tokens(model: nn.Module, tok: Tokenizer, tokens: Sequence[str], 
         f"({', '.join(f'{t}={i}' for t, i in zip(tokens, ids))}); vocab_size {model.config.vocab_size}, the new rows "
         "the mean of the others")
     return new, ids
+
+
+def grow_vocab(model: nn.Module, vocab_size: int) -> None:
+    """Grow ``model``'s embedding and LM head to ``vocab_size`` rows, the new ones the mean of the others (a base
+    model before an adapter that holds new tokens' rows is loaded into it: the adapter's rows replace them)."""
+    n_old = model.config.vocab_size
+    if vocab_size > n_old:
+        _grow(model, list(range(n_old, vocab_size)), vocab_size)
 
 
 @torch.no_grad()

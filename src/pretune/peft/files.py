@@ -36,6 +36,8 @@ from safetensors.torch import save_file
 from ..config import TASK_HEADS
 from ..io.checkpoint import CheckpointError, atomic_folder, read_weights
 from ..io.checkpoint import owned as owned_tensor
+from ..io.new_tokens import grow_vocab
+from . import new_tokens
 from .config import PeftConfig
 from .core import (
     PeftError,
@@ -51,6 +53,7 @@ from .core import (
 )
 from .inject import inject, set_active
 from .layers import PeftLinear, RoutedHead
+from .new_tokens import new_token_indices
 
 META_FILE = "pretune_adapter.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -169,10 +172,16 @@ def save_adapter(model, path: str | os.PathLike, name: str | None = None, *, bas
             "head": head_fields, "base": {"model": str(base), **{k: getattr(model.config, k) for k in _BASE_FIELDS}},
             "lora_scaling": {n: m.lora_scaling[name] for n, m in lora.items()},
             "layout": "peft" if places is not None else "pretune"}
+    if new_token_indices(model, name):  # task.add_tokens under PEFT: the rows it holds (the base grows to fit)
+        meta["new_tokens"] = new_token_indices(model, name)
     if places is None:
         meta["layout_why"] = _why_not_peft(model.config, cfg)
     if places is not None:
         tensors, peft_cfg = _to_peft(model, name, lora, places, head_tensors, head_fields, owned)
+        rows, indices = new_tokens.peft_tensors(model, name, HF_PREFIX)
+        if rows:  # peft's TrainableTokens beside LoRA
+            tensors.update(rows)
+            peft_cfg["trainable_token_indices"] = indices
     else:
         tensors = {strip_name(k, name): p.detach() for k, p in adapter_parameters(model, name).items()}
         tensors.update(head_tensors)
@@ -353,6 +362,8 @@ def load_adapter(model, path: str | os.PathLike, name: str | None = None, *, act
     if name in state.configs:
         raise PeftError(f"the model already has an adapter named {name!r}; pass name=")
     if meta is not None:
+        if meta.get("new_tokens") and (meta.get("base") or {}).get("vocab_size", 0) > model.config.vocab_size:
+            grow_vocab(model, meta["base"]["vocab_size"])  # the adapter's new tokens: rows it then fills
         _check_base(model, meta, path)
     if meta is None or meta.get("layout") == "peft":
         head_fields = (meta or {}).get("head")
@@ -402,6 +413,8 @@ def _load_pretune(model, path: Path, tensors, name: str, meta: dict) -> None:
     build.prompt_init = "random"  # the file holds the trained prompt; no tokenizer needed to build it
     inject(model, build, name, train=False, activate=False)
     peft_state(model).configs[name] = cfg
+    if meta.get("new_tokens"):
+        new_tokens.train_new_tokens(model, name, meta["new_tokens"], train=False)
     own_params = {strip_name(k, name): p for k, p in adapter_parameters(model, name).items()}
     for old, new in _LEGACY_NAMES.items():
         tensors = {k.replace(old, new): t for k, t in tensors.items()}
@@ -474,6 +487,9 @@ def _load_peft_lora(model, path: Path, tensors, name: str, head_fields: dict | N
     bias = pc.get("bias") or "none"
     if bias not in ("none", "all", "lora_only"):
         raise PeftError(f"{cfg_file}: bias={bias!r} is not one of none, all, lora_only")
+    token_rows = {k: tensors.pop(k) for k in list(tensors) if new_tokens.PEFT_SUFFIX in k}
+    if token_rows or pc.get("trainable_token_indices"):
+        new_tokens.load_peft_tensors(model, name, token_rows, pc.get("trainable_token_indices") or [], path)
     stripped = {}
 
     def copy_rank(key: str) -> int:  # a module's trained copy (modules_to_save) beats its other copies

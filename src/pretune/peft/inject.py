@@ -37,6 +37,7 @@ from .core import (
 )
 from .layers import PeftLinear, RoutedHead
 from .methods import METHODS
+from .new_tokens import TokenRows, merge_new_tokens, strip_new_tokens
 
 __all__ = ["inject", "freeze_for", "cast_base", "quantize_base", "base_matmul_weights",
            "trainable_summary", "format_summary", "set_active", "route", "merge", "unmerge",
@@ -232,13 +233,14 @@ def merge(model, names: str | Sequence[str] | None = None) -> None:
                                     "int8 stores it as codes): peft.merged_model dequantises the base first, or "
                                     "load the adapter on the unquantised base")
                 m.merge(n)
+        merge_new_tokens(model, n)  # new tokens' rows (task.add_tokens) into the embedding table
 
 
 def unmerge(model, names: str | Sequence[str] | None = None) -> None:
     """Subtract merged adapters again (the base weights come back to within float rounding)."""
     names = _names(model, names) if names is not None else adapter_names(model)
     for m in model.modules():
-        if isinstance(m, PeftLinear):
+        if isinstance(m, (PeftLinear, TokenRows)):
             for n in reversed(list(m.merged)):
                 if n in names:
                     m.unmerge(n)
@@ -278,6 +280,7 @@ def strip_peft(model) -> None:
         strip = getattr(method, "strip", None)
         if strip is not None:
             strip(model)
+    strip_new_tokens(model)
     if isinstance(model.head, RoutedHead):
         model.head = model.head.base
     model.peft_state = None

@@ -28,7 +28,8 @@ PREFIX_DICT = "peft_prefix"  # the model attribute (an nn.ModuleDict) holding pr
 PROMPT_DICT = "peft_prompt"  # ... holding soft prompts
 # every name part that marks a PEFT parameter (module attributes of the classes below and the two dicts above);
 # a parameter name holds one of them followed by the adapter name
-PEFT_PARTS = ("lora_A", "lora_B", "lora_magnitude", "ia3", "adapters", PREFIX_DICT, PROMPT_DICT, "adapter_heads")
+PEFT_PARTS = ("lora_A", "lora_B", "lora_magnitude", "ia3", "adapters", PREFIX_DICT, PROMPT_DICT, "adapter_heads",
+              "trainable_tokens_delta")  # the last: new tokens' rows (peft/new_tokens.py)
 
 
 class PeftState:

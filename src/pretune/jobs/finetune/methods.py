@@ -35,6 +35,9 @@ class FullMethod:
         return model_cfg.max_seq_len
 
     def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
+        if self.freeze_body and self.new_token_ids:
+            raise ConfigError("task.add_tokens with tune.freeze_body=true: the new tokens' rows would stay at their "
+                              "start (the mean of the others); finetune fully, or use --peft to train only them")
         if self.freeze_body:
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("head."))
@@ -93,11 +96,13 @@ class AdapterMethod:
     def setup(self, model, tok, cfg: FinetuneConfig, log) -> None:
         from ... import peft
 
-        if self.new_token_ids:
-            raise ConfigError("task.add_tokens cannot be used with --peft yet: the new rows would stay frozen; "
-                              "finetune fully (no --peft)")
         self.cfg = cfg.peft  # base_dtype resolved (auto -> fp32 or bf16)
         summary = peft.inject(model, self.cfg, name="default", tokenizer=tok, seed=cfg.train.seed)
+        if self.new_token_ids:  # task.add_tokens: their rows train beside the adapter, the table stays frozen
+            from ...peft.new_tokens import train_new_tokens
+
+            train_new_tokens(model, "default", self.new_token_ids)
+            summary = {**summary, **peft.trainable_summary(model)}
         log(f"{self.name}: {peft.format_summary(summary)}")
         self.base_dtype = self.cfg.base_dtype
         if "base_cast" in summary:
