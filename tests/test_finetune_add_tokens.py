@@ -170,3 +170,24 @@ def test_pretunes_adapter_layout_keeps_the_rows_too(tokenizers_by_kind, pairs, b
     with torch.no_grad():
         plain = pretune.peft.merged_model(tuned)(x).logits
         torch.testing.assert_close(tuned.eval()(x).logits, plain)
+
+
+def test_deck_001_gpt_pair_classification_reads_the_extract_token(tokenizers_by_kind, tmp_path):
+    """Radford et al. 2018 §3.3 on a bundled pair task: [START] a [DELIM] b [EXTRACT], the head on [EXTRACT]."""
+    from pretune import bundled
+    from pretune.jobs.finetune import evaluate
+
+    files = bundled.task("wordnet_defines")
+    cfg = load_finetune_config(None, [
+        "model.preset=tiny-gpt2", f"tokenizer={tokenizers_by_kind['bpe']}", "task.name=pair",
+        f"data.train={files['train']}", f"data.dev={files['dev']}", f"data.test={files['test']}",
+        "data.train_limit=64", f"train.out={tmp_path / 'run'}", "train.batch_size=16", "tune.epochs=0",
+        "train.steps=2", "train.plot=false", "task.max_len=48", "task.add_tokens=" + json.dumps(NEW)])
+    job = prepare(cfg, show_progress=False, log=_quiet)
+    start, delim, extract = (job.tokenizer.token_to_id(t) for t in NEW)
+    ids = list(job.features["train"][0]["input_ids"])
+    assert ids[0] == start and ids.count(delim) == 1 and ids[-1] == extract
+    assert job.model.config.sentence_pooling == "last"  # the head reads the last (unpadded) token: [EXTRACT]
+    res = finetune(cfg, show_progress=False, log=_quiet)
+    again = evaluate(res.model_dir, files["test"], show_progress=False)  # the saved tokenizer lays it out alike
+    assert again["accuracy"] == pytest.approx(res.test["accuracy"])

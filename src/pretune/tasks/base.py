@@ -263,6 +263,9 @@ class Task(Objective):
 
 
 # -- input layouts shared by the sentence tasks ---------------------------------------------------
+GPT_PAIR_TOKENS = ("[START]", "[DELIM]", "[EXTRACT]")  # Radford et al. 2018 §3.3: learned start, delimiter, extract
+
+
 class Layout:
     """How one or two texts become model input for a family.
 
@@ -271,7 +274,9 @@ class Layout:
     (``<s>``/``</s>``) separate a pair by two separators, ``<s> a </s></s> b </s>``, as Hugging Face does.
     GPT (decoders): ``[START] a [DELIM] b [EXTRACT]``; the head reads the last token (Radford et al. 2018 §3.3).
     T5 (encoder-decoders): ``a [EOS] b [EOS]`` (the encoder reads the text; the head pools it).
-    Tokens a tokenizer lacks are left out (e.g. GPT-2 has no [START]); EXTRACT is required for decoders.
+    A decoder's tokenizer that holds ``[START]`` / ``[DELIM]`` / ``[EXTRACT]`` (``task.add_tokens``) gets them, else
+    its BOS / SEP-or-EOS / EOS. Tokens a tokenizer lacks are left out (e.g. GPT-2 has no [START]); EXTRACT is required
+    for decoders.
     """
 
     def __init__(self, tok, model_cfg, style: str = "auto"):
@@ -292,10 +297,12 @@ class Layout:
         if style == "bert":
             self.start, self.delim = first(tok.cls_id, tok.bos_id), first(tok.sep_id, tok.eos_id)
             self.end = self.delim
-        elif style == "gpt":
-            self.start = first(tok.bos_id, tok.cls_id)
-            self.delim = first(tok.sep_id, tok.eos_id)
-            self.end = first(tok.eos_id, tok.cls_id, tok.sep_id)
+        elif style == "gpt":  # deck 001's own tokens when the run added them (task.add_tokens), else the roles
+            named = getattr(tok, "token_to_id", lambda t: None)
+            start, delim, extract = (named(t) for t in GPT_PAIR_TOKENS)
+            self.start = first(start, tok.bos_id, tok.cls_id)
+            self.delim = first(delim, tok.sep_id, tok.eos_id)
+            self.end = first(extract, tok.eos_id, tok.cls_id, tok.sep_id)
             if self.end is None:
                 raise ConfigError("the GPT input format needs an [EXTRACT] token (EOS, CLS or SEP); the tokenizer has "
                                   "none")
