@@ -191,3 +191,28 @@ def test_deck_001_gpt_pair_classification_reads_the_extract_token(tokenizers_by_
     res = finetune(cfg, show_progress=False, log=_quiet)
     again = evaluate(res.model_dir, files["test"], show_progress=False)  # the saved tokenizer lays it out alike
     assert again["accuracy"] == pytest.approx(res.test["accuracy"])
+
+
+def test_an_untied_head_grows_its_own_mean_rows_and_peft_refuses_it(tokenizers_by_kind):
+    import pretune
+    from pretune import peft
+    from pretune.io.new_tokens import add_special_tokens
+    from pretune.io.tokenization import Tokenizer
+
+    tok = Tokenizer.load(tokenizers_by_kind["bpe"])
+    torch.manual_seed(0)
+    model = pretune.build_model("tiny-llama", vocab_size=tok.vocab_size, tie_embeddings=False)
+    head0, embed0 = model.head.weight.detach().clone(), model.transformer.embed.weight.detach().clone()
+    tok2, ids = add_special_tokens(model, tok, ["<|im_start|>", "<|im_end|>"], log=_quiet)
+    assert tok.token_to_id("<|im_end|>") is None and tok2.token_to_id("<|im_end|>") == ids[1]  # a new tokenizer
+    assert model.head.weight is not model.transformer.embed.weight
+    for w, w0 in ((model.head.weight, head0), (model.transformer.embed.weight, embed0)):
+        assert torch.equal(w[: len(w0)], w0)
+        torch.testing.assert_close(w[ids], w0.mean(0).expand(2, -1))
+    assert model(torch.tensor([[3, ids[0], ids[1]]])).logits.shape[-1] == tok2.vocab_size
+    peft.inject(model, peft.PeftConfig(method="lora"))
+    from pretune.peft.new_tokens import train_new_tokens
+
+    with pytest.raises(ConfigError, match="need the LM head tied to the token embedding"):
+        train_new_tokens(model, "default", ids)
+    assert type(model.transformer.embed) is torch.nn.Embedding  # left as it was

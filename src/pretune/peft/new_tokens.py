@@ -136,17 +136,19 @@ def train_new_tokens(model, name: str, indices: Sequence[int], *, train: bool = 
     current values; the base table stays frozen. A head tied to the embedding reads the same rows. Returns the
     number of trainable values."""
     indices = [int(i) for i in indices]
-    rows = _wrapped(model)
-    bad = [i for i in indices if not 0 <= i < rows.num_embeddings]
+    embed = model.transformer.embed
+    table = embed.base_layer if isinstance(embed, TokenRows) else embed
+    bad = [i for i in indices if not 0 <= i < table.num_embeddings]
     if bad:
-        raise PeftError(f"token indices {bad} are outside the embedding's {rows.num_embeddings} rows")
+        raise PeftError(f"token indices {bad} are outside the embedding's {table.num_embeddings} rows")
     if len(set(indices)) != len(indices):
         raise PeftError(f"token indices {indices} name a row twice")
     head = getattr(model, "head", None)
-    w = getattr(head, "weight", None)
-    if w is not None and w.shape[0] == rows.num_embeddings and not isinstance(head, _TiedRowsHead):
+    w = head._parameters.get("weight") if head is not None else None
+    if w is not None and w is not table.weight and w.shape[0] == table.num_embeddings:
         raise PeftError("new tokens under PEFT need the LM head tied to the token embedding (tie_embeddings); with "
                         "an untied head their output rows would stay frozen: finetune fully instead")
+    rows = _wrapped(model)
     with torch.no_grad():
         start = rows.base_layer.weight[torch.tensor(indices)].detach().clone().float()
     rows.trainable_tokens_delta[name] = nn.Parameter(start, requires_grad=train)
