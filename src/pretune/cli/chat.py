@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .quantize import add_quantize_argument
+
 CHAT_EPILOG = """commands while chatting: /reset (forget the conversation), /system TEXT (set the system message and
 start over; /system alone removes it), /exit. Ctrl-C stops an answer as it streams.
 
@@ -27,6 +29,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
                    help="new tokens per answer at most (default: what the context leaves, up to 2048)")
     s.add_argument("--seed", type=int, default=None, help="sampling seed (turn i uses seed + i)")
     s.add_argument("--base", metavar="DIR", help="an adapter MODEL's base folder (default: the one it recorded)")
+    add_quantize_argument(s)
     s.set_defaults(func=cmd_chat)
     return s
 
@@ -43,7 +46,7 @@ def cmd_chat(args) -> int:
         raise ConfigError(f"--top-p {args.top_p} must be in (0, 1]")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens} must be >= 1")
-    server = load_server(args.model, base=args.base)
+    server = load_server(args.model, base=args.base, quantize=args.quantize)
     try:
         conv = Conversation(server, system=args.system, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from .quantize import add_quantize_argument, check_quantize
+
 SERVE_DESCRIPTION = (
     "Serve a model (a run folder, a pretune checkpoint, a Hugging Face folder, an adapter folder or a GGUF file) "
     "over the OpenAI HTTP API: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings "
@@ -42,6 +44,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--name", metavar="ID", help="the base model's id in /v1/models (default: the folder's name)")
     s.add_argument("--base", metavar="DIR", help="an adapter MODEL's base folder (default: the one it recorded)")
     s.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights' dtype (default fp32)")
+    add_quantize_argument(s)
     s.add_argument("--max-batch", type=int, default=16, metavar="N", help="rows decoded together (default 16)")
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting for a row at most; more are answered 429 (default 64)")
@@ -75,7 +78,9 @@ def cmd_serve(args) -> int:
 
     limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_request_tokens=args.max_tokens_per_request,
                     max_total_tokens=args.max_total_tokens, max_body_bytes=args.max_body_bytes)
+    check_quantize(args.quantize, dtype=args.dtype, served=True)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     run(args.model, host=args.host, port=args.port, api_key=args.api_key, insecure=args.insecure,
-        adapters=dict(args.adapter), name=args.name, limits=limits, base=args.base, dtype=dtype)
+        adapters=dict(args.adapter), name=args.name, limits=limits, base=args.base, dtype=dtype,
+        quantize=args.quantize)
     return 0

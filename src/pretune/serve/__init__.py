@@ -46,20 +46,22 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 
 
 def load_server(model: str, *, adapters: dict[str, str] | None = None, name: str | None = None, limits=None,
-                api_key: str | None = None, base: str | None = None, dtype=None):
-    """Load ``model`` (any folder ``pretune.load_pretrained`` reads) and its adapters into a :class:`Server`."""
+                api_key: str | None = None, base: str | None = None, dtype=None, quantize: str | None = None):
+    """Load ``model`` (any folder ``pretune.load_pretrained`` reads) and its adapters into a :class:`Server`;
+    ``quantize`` (``int8``, ``int4``): its linear weights quantised for CPU decoding once the adapters are on
+    (``pretune.quantize``; from the weights as loaded, so fp32)."""
     from ..loading import folder_kind, load_pretrained
     from .app import Server
 
     # an adapter folder served beside other adapters: folded into its base, so that routing per row is well defined
     merge = bool(adapters) and folder_kind(model) == "adapter"
     loaded = load_pretrained(model, base=base, merge=merge, dtype=dtype)
-    return Server(loaded, name=name, adapters=adapters, limits=limits, api_key=api_key)
+    return Server(loaded, name=name, adapters=adapters, limits=limits, api_key=api_key, quantize=quantize)
 
 
 def run(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         insecure: bool = False, adapters: dict[str, str] | None = None, name: str | None = None, limits=None,
-        base: str | None = None, dtype=None) -> None:
+        base: str | None = None, dtype=None, quantize: str | None = None) -> None:
     """Load ``model`` and serve it until interrupted (uvicorn)."""
     import uvicorn
 
@@ -72,7 +74,8 @@ def run(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str |
         sock.bind((host, port))
     except OSError as e:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    server = load_server(model, adapters=adapters, name=name, limits=limits, api_key=api_key, base=base, dtype=dtype)
+    server = load_server(model, adapters=adapters, name=name, limits=limits, api_key=api_key, base=base, dtype=dtype,
+                         quantize=quantize)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("pretune.serve").setLevel(logging.INFO)
     app = build_app(server)

@@ -45,7 +45,7 @@ class Server:
     """The loaded model, its tokenizer and chat template, the adapters by name, the engine."""
 
     def __init__(self, loaded, *, name: str | None = None, adapters: dict[str, str] | None = None,
-                 limits: Limits | None = None, api_key: str | None = None):
+                 limits: Limits | None = None, api_key: str | None = None, quantize: str | None = None):
         self.limits = limits or Limits()
         self.api_key = api_key
         self.model = loaded.model.eval().requires_grad_(False)
@@ -60,9 +60,16 @@ class Server:
                 if alias == self.name:
                     raise ConfigError(f"--adapter {alias}={folder}: the name is the base model's; pick another")
                 self.adapters[alias] = load_adapter(self.model, folder, name=alias, activate=False)
+        self.quantized = quantize
+        if quantize is not None:  # after the adapters: their wrappers keep fp32 LoRA weights over quantised bases
+            from ..model import quantize as quantize_model
+
+            if not self.generates_text(loaded):
+                raise ConfigError(f"--quantize {quantize} is for decoding; {loaded.path} does not generate text")
+            quantize_model(self.model, quantize)
         cfg = self.model.config
         self.layout = layout_of(cfg)
-        self.generates = self.layout.name == "causal" and cfg.head == "lm"
+        self.generates = self.generates_text(loaded)
         if not self.generates and self.layout.writes_text:
             raise ConfigError(f"pretune serve decodes decoder-only models; {loaded.path} is {self.layout.name} "
                               f"(arch {cfg.arch}): use pretune generate for it")
@@ -85,6 +92,10 @@ class Server:
                                  max_tokens=self.limits.max_total_tokens, route=route)
 
     # ---------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def generates_text(loaded) -> bool:
+        return layout_of(loaded.model.config).name == "causal" and loaded.model.config.head == "lm"
+
     def card(self) -> dict:
         """What the model is: family, parameters, precision (GET /v1/models' entries carry it)."""
         cfg = self.model.config
@@ -92,7 +103,8 @@ class Server:
         return {"family": self.family, "arch": cfg.arch, "layers": cfg.n_layers, "dim": cfg.dim,
                 "vocab_size": cfg.vocab_size,
                 "context": self.context, "parameters": sum(t.numel() for t in self.model.parameters()),
-                "dtype": str(p.dtype).replace("torch.", ""), "chat_template": self.chat_source is not None}
+                "dtype": str(p.dtype).replace("torch.", ""), "quantized": self.quantized,
+                "chat_template": self.chat_source is not None}
 
     def adapter_of(self, body: dict) -> str | None:
         model = body.get("model")
