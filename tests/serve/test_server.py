@@ -114,11 +114,13 @@ def _stream_text(url, body) -> str:
 
 
 def test_concurrent_requests_each_equal_alone_and_a_killed_client_disturbs_none(served):
+    # 32 requests (the number) over 8 rows: different prompts, lengths, seeds, greedy or sampled, base or
+    # adapter; those past the rows wait in the queue and join as rows free up
     topics = ["France", "Spain", "a little model", "the sea", "Paris", "a truth", "fortune", "a wife"]
     bodies = [{"model": "lora" if i % 3 == 2 else "tiny",
-               "messages": [{"role": "user", "content": f"Tell me about {t}" + "!" * i}],
-               "max_tokens": 6 + 3 * i, **({"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i})}
-              for i, t in enumerate(topics)]
+               "messages": [{"role": "user", "content": f"Tell me about {topics[i % 8]}" + "!" * i}],
+               "max_tokens": 6 + 3 * (i % 8), **({"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i})}
+              for i in range(32)]
     alone = [_stream_text(served.url, b) for b in bodies]
     assert alone[2] != _stream_text(served.url, {**bodies[2], "model": "tiny"})  # the adapter changes the text
     together = [None] * len(bodies)
