@@ -230,3 +230,54 @@ def test_unknown_modules_are_refused_by_name(trained, tmp_path):
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({**pool, "pooling_mode_max_tokens": True}))
     with pytest.raises(ConfigError, match="pooling pooling_mode_mean_tokens, pooling_mode_max_tokens"):
         read_st_modules(folder)
+
+
+
+def _ddp_batches():
+    """Six triplets (one global batch; the trainer gives each process 3): some with two hard negatives, one with
+    none (the processes gather different numbers of rows); and six scored pairs."""
+    rows = [*TRIPLETS, ("the old man on the bank", "an old man on a river bank", "a fast red car")]
+    extra = {0: ["a blue ball in the green park", "the man reads a book"], 3: None}
+    pairs = [{"anchor": a, "positive": p, **({} if extra.get(i, n) is None else {"negative": extra.get(i, n)})}
+             for i, (a, p, n) in enumerate(rows)]
+    scored = [{"text_a": a, "text_b": b, "score": s} for (a, b, _), s in zip(rows, [0.9, 0.1, 0.5, 0.7, 0.3, 0.6])]
+    return pairs, scored
+
+
+def test_negatives_gathered_over_two_processes_equal_one_process(folder, tmp_path):
+    """A Trainer step on two gloo processes (DDP; each its half of the batch) against one process with the whole
+    batch: with task.gather_across_ranks (the default) the loss and every gradient the optimizer gets are equal (to
+    fp32 rounding) for mnrl, CoSENT, and the cached (GradCache) form of symmetric Matryoshka mnrl (the trainer then
+    averages the gradients itself); without it each process ranks its own half alone, and the loss differs."""
+    import os
+    import random
+    import subprocess
+    import sys
+
+    from embedding_ddp import __file__ as helper
+    from embedding_ddp import trainer_step
+
+    pairs, scored = _ddp_batches()
+    cases = {"mnrl": ({}, pairs), "cosent": ({}, scored), "per_rank": ({"gather_across_ranks": False}, pairs),
+             "cached symmetric matryoshka": ({"mini_batch": 2, "symmetric": True, "matryoshka_dims": [32, 8]}, pairs)}
+    (tmp_path / "cases.json").write_text(json.dumps({k: {"cfg": c, "records": r} for k, (c, r) in cases.items()}))
+    port = str(20000 + (os.getpid() * 7 + random.randrange(1000)) % 20000)
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID",)}
+    env.update(OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    procs = [subprocess.Popen([sys.executable, helper, str(folder), str(tmp_path / "cases.json"),
+                               str(tmp_path / "out.pt")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    got = torch.load(tmp_path / "out.pt")
+    for name, (cfg, records) in cases.items():
+        loss, grads = trainer_step(folder, cfg, records, tmp_path / f"one_{name}")
+        if name == "per_rank":
+            assert abs(got[name]["loss"] - loss) > 1e-2, (name, got[name]["loss"], loss)
+            continue
+        assert abs(got[name]["loss"] - loss) < 5e-6, (name, got[name]["loss"], loss)
+        assert got[name]["grads"].keys() == grads.keys() and len(grads) > 10
+        scale = max(float(g.abs().max()) for g in grads.values())
+        for k, g in grads.items():  # fp32 rounding (the processes sum in another order): measured <= 1.6e-6 of it
+            torch.testing.assert_close(got[name]["grads"][k], g, atol=5e-6 * scale, rtol=0,
+                                       msg=lambda m, name=name, k=k: f"{name}, {k}: {m}")

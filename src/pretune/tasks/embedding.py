@@ -22,6 +22,11 @@ Losses (sentence-transformers' definitions; ``s`` is cosine similarity times ``t
     task.mini_batch=N: mnrl / cosent computed GradCache-style (Gao et al. 2021): every row embedded without a graph in
             chunks of N, the loss's gradient w.r.t. the embeddings taken once, then each chunk run again with its graph
             and back-propagated with its share; the gradients equal the uncached loss's, the memory is N rows'
+    task.gather_across_ranks (torchrun, on by default): while training, every process's anchors, positives and
+            negatives are gathered (the gradient flowing back to each process's own rows), so anchor i of rank r ranks
+            its positive (its global index) among the positives and negatives of every process; cosent ranks every
+            process's pairs against each other. The loss and the gradient then equal one process's over the whole
+            train.batch_size, as DDP's every other task does; evaluation stays per process (its chunks differ)
 
 Evaluation: pairs and triplets rank the dev set's corpus (every distinct positive and negative text) for each anchor
 by cosine: recall@1/@5/@10, mrr@10, ndcg@10 and map with the record's positive as the one relevant text; scored pairs
@@ -65,6 +70,9 @@ class EmbeddingSettings(TaskConfig):
     # (the loss summed over them; list the full size too); empty: off
     mini_batch: int = 0  # > 0: the cached (GradCache) loss, this many texts per forward; the batch of negatives is
     # then bounded by time, not memory; 0: one forward over the whole batch
+    gather_across_ranks: bool = True  # torchrun: the in-batch negatives (and cosent's pairs) are every process's,
+    # so the run equals one process with the whole batch (sentence-transformers' gather_across_devices, off there by
+    # default); false: each process's batch alone (fewer negatives, no all-gather). One process: no effect
 
     def validate(self) -> None:
         super().validate()
@@ -101,14 +109,20 @@ def pool(h: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)  # sentence-transformers' mean pooling
 
 
-def mnrl_loss(anchors: torch.Tensor, docs: torch.Tensor, *, scale: float, symmetric: bool = False) -> torch.Tensor:
-    """(B,) per-anchor in-batch-negatives loss. anchors (B, d); docs (B + N, d): the B positives, then N negatives."""
+def mnrl_loss(anchors: torch.Tensor, docs: torch.Tensor, *, scale: float, symmetric: bool = False, offset: int = 0,
+              all_anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) per-anchor in-batch-negatives loss. anchors (B, d); docs (M, d), of which ``docs[offset + i]`` is anchor
+    i's positive (one process: the B positives, then the negatives, offset 0); symmetric: each positive's softmax runs
+    over ``all_anchors`` (default ``anchors``; gathered from every process, the anchors of each one)."""
     B = anchors.shape[0]
-    s = F.normalize(anchors, dim=-1) @ F.normalize(docs, dim=-1).T * scale  # (B, B + N)
-    pos = s.diagonal()  # s[i, i]: anchor i with its positive
+    d = F.normalize(docs, dim=-1)
+    s = F.normalize(anchors, dim=-1) @ d.T * scale  # (B, M)
+    idx = torch.arange(B, device=s.device) + offset
+    pos = s[torch.arange(B, device=s.device), idx]  # anchor i with its positive
     log_z = torch.logsumexp(s, dim=1)
     if symmetric:  # ST per_direction: the positive's softmax over the anchors, averaged in the normaliser
-        log_z = (log_z + torch.logsumexp(s[:, :B].T, dim=1)) / 2
+        others = F.normalize(anchors if all_anchors is None else all_anchors, dim=-1)
+        log_z = (log_z + torch.logsumexp(d[idx] @ others.T * scale, dim=1)) / 2
     return log_z - pos
 
 
@@ -133,6 +147,8 @@ class Embedding(Task):
 
     def __init__(self, cfg: EmbeddingSettings, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
+        self.backward_in_passes = bool(cfg.mini_batch)  # the cached loss back-propagates chunk by chunk: the trainer
+        # averages the gradients over the processes itself, after the last chunk (DDP would after the first)
         self.model_layout = layout_of(model_cfg)
         allowed = self.model_layout.poolings
         if not cfg.pooling:
@@ -250,10 +266,13 @@ class Embedding(Task):
         # cosent is one number per batch (its pairs compare with each other); mnrl a mean over anchors
         return {self.term: 1 if self._loss_kind(batch) == "cosent" else int(batch["n_docs"].shape[0])}
 
-    def loss_from_embeddings(self, emb: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def loss_from_embeddings(self, emb: torch.Tensor, batch, *, gather: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the loss summed over the batch's anchors (cosent: the batch's one value), the number of anchors whose
         positive scored highest (None for cosent)) from the (R, dim) embeddings of the collated rows, summed over
-        task.matryoshka_dims when set."""
+        task.matryoshka_dims when set. ``gather`` (training under torchrun with task.gather_across_ranks): the
+        candidates are every process's rows (the sum still over this process's anchors; cosent's value is the whole
+        batch's, the same on every process, and counts once per process)."""
         B = batch["n_docs"].shape[0]
         kind = self._loss_kind(batch)
         if not bool(batch["has_positive"].all()):
@@ -261,25 +280,43 @@ class Embedding(Task):
         if kind == "cosent" and self.kind != "scored":
             raise ConfigError("task.embed_loss=cosent trains on scored pairs (text_a, text_b, score); the data holds "
                               "pairs")
+        dist = self.dist if gather and self.cfg.gather_across_ranks and self.dist is not None else None
+        if dist is not None and not dist.enabled:
+            dist = None
+        if kind == "cosent":
+            a, b, scores = emb[:B], emb[B:2 * B], batch["score"].float()
+            if dist is not None:
+                a, b = (torch.cat(x) for x in dist.gather_with_grad(a, b))
+                scores = torch.cat(dist.gather_with_grad(scores[:, None].to(emb))[0])[:, 0].float()
+            total = emb.new_zeros(())
+            for dim in self.cfg.matryoshka_dims or [emb.shape[1]]:
+                total = total + cosent_loss(a[:, :dim], b[:, :dim], scores, scale=self.cfg.scale)
+            return total, None
+        anchors, all_anchors, docs, offset = emb[:B], None, emb[B:], 0
+        if dist is not None:  # every process's positives, then every process's negatives
+            parts = (emb[B:2 * B], emb[2 * B:]) + ((anchors,) if self.cfg.symmetric else ())
+            got = dist.gather_with_grad(*parts)
+            docs = torch.cat(got[0] + got[1])
+            offset = sum(p.shape[0] for p in got[0][:dist.rank])  # anchor i's positive is docs[offset + i]
+            all_anchors = torch.cat(got[2]) if self.cfg.symmetric else None
         total, correct = emb.new_zeros(()), None
         for dim in self.cfg.matryoshka_dims or [emb.shape[1]]:
-            e = emb[:, :dim]
-            if kind == "cosent":
-                total = total + cosent_loss(e[:B], e[B:2 * B], batch["score"].float(), scale=self.cfg.scale)
-                continue
-            per = mnrl_loss(e[:B], e[B:], scale=self.cfg.scale, symmetric=self.cfg.symmetric)
+            cut = None if all_anchors is None else all_anchors[:, :dim]
+            per = mnrl_loss(anchors[:, :dim], docs[:, :dim], scale=self.cfg.scale, symmetric=self.cfg.symmetric,
+                            offset=offset, all_anchors=cut)
             total = total + per.sum()
             if correct is None:
-                s = F.normalize(e[:B], dim=-1) @ F.normalize(e[B:], dim=-1).T
-                correct = (s.argmax(1) == torch.arange(B, device=s.device)).sum()
+                s = F.normalize(anchors[:, :dim], dim=-1) @ F.normalize(docs[:, :dim], dim=-1).T
+                correct = (s.argmax(1) == torch.arange(B, device=s.device) + offset).sum()
         return total, correct
 
     def loss(self, model, batch, totals):
+        gather = model.training  # every process runs as many training micro-batches (not so in evaluation)
         if self.cfg.mini_batch and torch.is_grad_enabled():
-            total, correct = self._cached_loss(model, batch)
+            total, correct = self._cached_loss(model, batch, gather=gather)
         else:
             emb = self.embed(model, batch["input_ids"], batch["attention_mask"])
-            total, correct = self.loss_from_embeddings(emb, batch)
+            total, correct = self.loss_from_embeddings(emb, batch, gather=gather)
         stats = {f"{self.term}_loss": float(total.detach())}
         if correct is not None:
             stats[f"{self.term}_correct"] = float(correct)
@@ -295,7 +332,7 @@ class Embedding(Task):
             out.append((ids[i:i + n, :width], m[:, :width]))
         return out
 
-    def _cached_loss(self, model, batch):
+    def _cached_loss(self, model, batch, *, gather: bool = False):
         chunks = self._chunks(batch)
         states, reps = [], []
         with torch.no_grad():
@@ -304,8 +341,8 @@ class Embedding(Task):
                 reps.append(self.embed(model, ids, mask))
         emb = torch.cat(reps).requires_grad_()  # (R, dim) a leaf: the loss's gradient lands here
         with torch.enable_grad():
-            total, correct = self.loss_from_embeddings(emb, batch)
-            grad, = torch.autograd.grad(total, emb)
+            total, correct = self.loss_from_embeddings(emb, batch, gather=gather)
+            grad, = torch.autograd.grad(total, emb)  # gathered: every process's loss's share of this one's rows
         out = total.detach().requires_grad_()
 
         def backward_through_model(upstream: torch.Tensor) -> None:

@@ -29,6 +29,49 @@ class DistInfo:
         (``tasks.run.evaluate_task(dist=...)``)."""
         return all_gather_objects(obj, self)
 
+    def gather_with_grad(self, *parts: torch.Tensor) -> list[list[torch.Tensor]]:
+        """For each of ``parts`` (2-D, the same width; their row counts may differ from process to process), that
+        part of every process in rank order: ``out[j][r]`` is part j of rank r. Gradients flow back: what a loss on
+        any process puts on rank r's rows is summed onto rank r's own tensors (as ``torch.distributed.nn``'s
+        all_gather, by an all-reduce, so gloo serves too), so DDP's averaging then gives the gradient of one process
+        that held every row. Every process must call it alike. One process: ``[[p] for p in parts]``."""
+        if not self.enabled:
+            return [[p] for p in parts]
+        local = torch.cat(parts)  # (n, width): the parts one after the other
+        sizes = torch.tensor([p.shape[0] for p in parts], dtype=torch.long, device=local.device)
+        every = [torch.empty_like(sizes) for _ in range(self.world)]
+        dist.all_gather(every, sizes)
+        counts = torch.stack(every).tolist()  # counts[r][j]: rows of part j on rank r
+        padded = _GatherRows.apply(local, max(sum(c) for c in counts), self.rank)  # (world, most rows, width)
+        out: list[list[torch.Tensor]] = [[] for _ in parts]
+        for r, row in enumerate(counts):
+            start = 0
+            for j, n in enumerate(row):
+                out[j].append(padded[r, start:start + n])
+                start += n
+        return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """(n, width) rows of this process -> (world, rows, width): every process's rows, padded with zeros to ``rows``.
+    Backward: the gradient of the whole gathered tensor summed over the processes (each one's loss reached every
+    process's rows), this process's slice of it returned."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: int, rank: int) -> torch.Tensor:
+        ctx.n, ctx.rank = x.shape[0], rank
+        mine = x.new_zeros((rows, *x.shape[1:]))
+        mine[: x.shape[0]] = x
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine.contiguous())
+        return torch.stack(every)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad[ctx.rank, : ctx.n], None, None
+
 
 def init_distributed() -> DistInfo:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1), else a single-process DistInfo.
@@ -53,6 +96,24 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         values = values.cpu()
     return values
+
+
+def average_gradients(params: list[torch.Tensor], info: DistInfo) -> None:
+    """Each parameter's gradient replaced by its mean over the processes (what DDP does as the backward runs), in
+    one all-reduce; a parameter without a gradient counts as zeros. Identity when single-process."""
+    if not info.enabled or not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= info.world
+    start = 0
+    for g in grads:
+        g.copy_(flat[start:start + g.numel()].view_as(g))
+        start += g.numel()
 
 
 def all_gather_objects(obj, info: DistInfo) -> list:

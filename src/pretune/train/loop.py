@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import StepError
 from ..io.checkpoint import CheckpointError
-from .dist import DistInfo, all_gather_objects, all_reduce_sum, barrier
+from .dist import DistInfo, all_gather_objects, all_reduce_sum, average_gradients, barrier
 from .precision import resolve_precision
 from .state import clean_interrupted, list_checkpoints, load_training_state, save_training_state
 
@@ -296,8 +296,12 @@ class Trainer:
         net = self.ddp or self.module
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
+        # an objective whose loss runs the model's backward itself, in several passes (the embedding task's GradCache
+        # form): DDP would average the gradients after the first pass and drop the rest, so it syncs none and the
+        # step averages them over the processes below, once every pass has run
+        own_sync = self.ddp is not None and getattr(self.objective, "backward_in_passes", False)
         for j, batch in enumerate(batches):
-            sync = self.ddp is None or j == len(batches) - 1
+            sync = self.ddp is None or (j == len(batches) - 1 and not own_sync)
             ctx = contextlib.nullcontext() if sync else self.ddp.no_sync()
             with ctx:
                 with self._autocast():
@@ -307,6 +311,8 @@ class Trainer:
             loss_sum += float(loss.detach())
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + v
+        if own_sync:
+            average_gradients([p for p in self.module.parameters() if p.requires_grad], d)
         reduced = all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64), d)
         step_loss = float(reduced[0])
         if not math.isfinite(step_loss):

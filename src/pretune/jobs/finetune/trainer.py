@@ -30,7 +30,7 @@ def build_trainer(job: Prepared, *, show_progress: bool, log, dist=None, tracker
         return {n: p for n, p in model.named_parameters() if n in trained}
 
     dist = dist or DistInfo()
-    task.dist = dist  # kto and grpo gather across the processes while training
+    task.dist = dist  # kto, grpo and embedding gather across the processes while training
     trainers = []
 
     def evaluator() -> dict:
