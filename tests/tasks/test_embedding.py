@@ -281,3 +281,45 @@ def test_negatives_gathered_over_two_processes_equal_one_process(folder, tmp_pat
         for k, g in grads.items():  # fp32 rounding (the processes sum in another order): measured <= 1.6e-6 of it
             torch.testing.assert_close(got[name]["grads"][k], g, atol=5e-6 * scale, rtol=0,
                                        msg=lambda m, name=name, k=k: f"{name}, {k}: {m}")
+
+
+def test_a_lora_run_writes_merged_weights_as_a_sentence_transformers_folder(folder, tmp_path):
+    """--peft lora: model/ is the base with the adapter merged in, as a sentence-transformers folder that
+    SentenceTransformer and `pretune embed` read and that embeds as the adapter does in pretune; the adapter itself is
+    in RUN/adapter."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from pretune.cli import main
+    from pretune.jobs.finetune import finetune, load_finetune_config
+
+    rows = [{"anchor": a, "positive": p, "negative": n} for a, p, n in TRIPLETS]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=embedding", f"train.out={tmp_path / 'run'}",
+                                      f"data.train={tmp_path / 'train.jsonl'}", "peft.method=lora",
+                                      "train.batch_size=5", "tune.epochs=2", "train.lr=5e-2", "train.plot=false"])
+    result = finetune(cfg, show_progress=False, log=lambda *a, **k: None)
+    run = result.run_dir
+    assert (run / "adapter" / "adapter_config.json").is_file() and not (run / "model" / "adapter_config.json").exists()
+    assert (run / "model" / "modules.json").is_file() and (run / "model" / "2_Normalize").is_dir()
+
+    texts = [a for a, _, _ in TRIPLETS]
+
+    def pretune_vectors(path):
+        loaded = load_pretrained(path)
+        task = build_task(TaskConfig(name="embedding"), loaded.model.config, loaded.tokenizer)
+        batch = task.collate([f for t in texts for f in task.encode(Record("x:1", {"anchor": t}), labelled=False)])
+        with torch.no_grad():
+            return task.embed(loaded.model.eval(), batch["input_ids"], batch["attention_mask"])
+
+    adapter = pretune_vectors(run / "adapter")  # the trained adapter on its base, unmerged
+    assert (adapter - pretune_vectors(folder)).abs().max() > 1e-3  # training moved the embeddings
+    st_vectors = SentenceTransformer(str(run / "model"), device="cpu").encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(st_vectors, adapter, atol=1e-5, rtol=0)
+    assert main(["embed", str(run / "model"), str(_lines(tmp_path, texts)), "--out", str(tmp_path / "e.npy")]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "e.npy"), adapter.numpy(), atol=1e-5)
+
+
+def _lines(tmp_path, texts):
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    return tmp_path / "texts.txt"

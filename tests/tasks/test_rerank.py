@@ -145,3 +145,34 @@ def test_a_model_transformers_cannot_hold_stays_a_pretune_checkpoint(ours, tmp_p
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == before
     assert len(lines) == 1 and "stays a pretune checkpoint" in lines[0]
     assert load_pretrained(tmp_path / "model").model.config.sentence_pooling == "cls"
+
+
+def test_a_lora_run_writes_merged_weights_cross_encoder_scores_alike(folder, tmp_path):
+    """--peft lora: model/ is the base with the adapter (and its trained head) merged in, a folder CrossEncoder loads
+    and scores as the adapter does in pretune; the adapter itself is in RUN/adapter."""
+    from sentence_transformers import CrossEncoder
+
+    from pretune.jobs.finetune import finetune, load_finetune_config
+
+    rows = [{"query": q, "positive": p, "negative": n} for q, p, n in LISTS]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=rerank", f"train.out={tmp_path / 'run'}",
+                                      f"data.train={tmp_path / 'train.jsonl'}", "peft.method=lora",
+                                      "train.batch_size=3", "tune.epochs=2", "train.lr=5e-2", "train.plot=false"])
+    run = finetune(cfg, show_progress=False, log=lambda *a, **k: None).run_dir
+    assert (run / "adapter" / "adapter_config.json").is_file() and not (run / "model" / "adapter_config.json").exists()
+
+    def pretune_scores(path):
+        loaded = load_pretrained(path)
+        task = build_task(TaskConfig(name="rerank"), loaded.model.config, loaded.tokenizer)
+        batch = task.collate([f for i, (q, p, n) in enumerate(LISTS)
+                              for f in task.encode(Record(f"x:{i}", {"query": q, "positive": p, "negative": n}))])
+        with torch.no_grad():
+            return task.scores(loaded.model.eval(), batch)
+
+    adapter = pretune_scores(run / "adapter")  # the trained adapter on its base, unmerged
+    assert (adapter - pretune_scores(folder)).abs().max() > 1e-3  # training moved the scores
+    pairs = [[q, d] for q, p, n in LISTS for d in [p, *n]]
+    want = CrossEncoder(str(run / "model"), device="cpu").predict(pairs, activation_fn=torch.nn.Identity(),
+                                                                  convert_to_tensor=True)
+    torch.testing.assert_close(adapter, want.float(), atol=1e-5, rtol=0)

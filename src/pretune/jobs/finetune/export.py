@@ -49,9 +49,10 @@ def export(job: Prepared, trainer, steps: int, seconds: float, *, show_progress:
     model_dir = run_dir / "model"
     extra = {}
     if dist.is_main:
-        extra = job.method.save(model, job.tokenizer, model_dir, cfg, log)
-        if hasattr(task, "write_model_files") and not job.method.name.startswith("peft"):  # embedding: an ST folder
-            mark(model_dir, task.write_model_files(model, job.tokenizer, model_dir, log))
+        if hasattr(task, "write_model_files"):  # embedding, rerank: another library's folder (merged weights)
+            extra = job.method.save_library_folder(task, model, job.tokenizer, model_dir, cfg, log)
+        else:
+            extra = job.method.save(model, job.tokenizer, model_dir, cfg, log)
         cfg.save(model_dir / "run.yaml")
         mark(model_dir, ["run.yaml"])
     if history and not cfg.tune.keep_best:

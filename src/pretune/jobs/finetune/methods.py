@@ -66,6 +66,15 @@ class FullMethod:
         save_task(model_dir, cfg.task)
         return {}
 
+    def save_library_folder(self, task, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
+        """A task whose model is another library's folder (embedding: sentence-transformers; rerank: a CrossEncoder
+        folder): the checkpoint, then made that folder (``task.write_model_files``)."""
+        from ...io.outputs import mark
+
+        extra = self.save(model, tok, model_dir, cfg, log)
+        mark(model_dir, task.write_model_files(model, tok, model_dir, log))
+        return extra
+
 
 class AdapterMethod:
     """A parameter-efficient adapter (``peft.method``) on a frozen base; the result is a small adapter folder
@@ -157,6 +166,33 @@ class AdapterMethod:
         return {"peft": {"method": self.cfg.method, **peft.trainable_summary(model), **sizes,
                          "base_dtype": self.base_dtype, "layout": meta["layout"],
                          **({"layout_why": meta["layout_why"]} if "layout_why" in meta else {})}}
+
+
+    def save_library_folder(self, task, model, tok, model_dir: Path, cfg: FinetuneConfig, log) -> dict:
+        """A task whose model is another library's folder (embedding: sentence-transformers; rerank: a CrossEncoder
+        folder), which holds whole weights: ``model/`` gets the base with the adapter merged in (fp32), made that
+        folder, so ``SentenceTransformer(RUN/model)`` and every pretune command read it with no base at hand; the
+        adapter itself goes beside it, to ``<run>/adapter`` (it records its base; pretune loads it, and peft's
+        layout loads in peft). An adapter that does not merge (prefix, prompt, bottleneck adapters add computation)
+        stays in ``model/``, and ``log`` says why."""
+        from ... import peft
+        from ...io.checkpoint import save
+        from ...io.outputs import mark
+
+        try:
+            plain = peft.merged_model(model, "default")
+        except peft.PeftError as e:
+            log(f"model/ holds the adapter, not a {task.name} library folder: {e}")
+            return self.save(model, tok, model_dir, cfg, log)
+        adapter_dir = model_dir.parent / "adapter"
+        extra = self.save(model, tok, adapter_dir, cfg, log)
+        mark(model_dir.parent, ["adapter"])
+        save(plain, model_dir, tokenizer=tok)
+        save_task(model_dir, cfg.task)
+        written = task.write_model_files(plain, tok, model_dir, log)
+        mark(model_dir, written)
+        log(f"model -> {model_dir}: the base with the adapter merged in (fp32); the adapter -> {adapter_dir}")
+        return {**extra, "peft": {**extra["peft"], "adapter_dir": "adapter", "model": "merged"}}
 
 
 def method_for(cfg: FinetuneConfig) -> FullMethod | AdapterMethod:
