@@ -26,6 +26,7 @@ EPILOG = """examples:
   pretune predict runs/finetune/model new.jsonl --out predictions.jsonl
   pretune eval MODEL --tasks hellaswag,arc_easy   lm-evaluation-harness benchmarks (--include-path: your task YAMLs)
   pretune embed MODEL_DIR sentences.txt --out emb.npy   sentence embeddings (--similarity ranks pairs)
+  pretune mine MODEL_DIR --data pairs.jsonl --out triplets.jsonl   hard negatives for --task embedding
   pretune generate MODEL "Once upon a time" --max-new-tokens 40   greedy / --do-sample / --num-beams 4, streamed
   pretune prompt MODEL --data test.jsonl --template 'Message: {text}\\nSpam? Answer:' --labels 'ham=No,spam=Yes' \\
       --shots 4 --shots-from train.jsonl      few-shot classification by label-word likelihood (--cot: reasoning)
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .finetune import add_finetune_parsers
     from .generate import add_generate_parser
     from .lmeval import add_eval_parser
+    from .mine import add_mine_parser
     from .model import add_model_parsers
     from .peft import add_peft_parser
     from .pretrain import add_pretrain_parsers
@@ -111,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .sweep import add_sweep_parser
 
     for add in (add_model_parsers, add_bench_parser, add_data_parsers, add_pretrain_parsers, add_finetune_parsers,
-                add_eval_parser,
-                add_embed_parser, add_peft_parser, add_prompt_parser, add_generate_parser, add_sweep_parser,
+                add_eval_parser, add_embed_parser, add_mine_parser, add_peft_parser, add_prompt_parser,
+                add_generate_parser, add_sweep_parser,
                 add_experiment_parser, add_quickstart_parser, add_serve_parser, add_chat_parser):
         add(sub)
     return p
