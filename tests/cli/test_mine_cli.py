@@ -51,7 +51,7 @@ def _mine(folder, d, *extra) -> int:
 def test_mine_writes_the_independently_ranked_negatives(folder, files, capsys):
     from pretune.jobs.embed import embed_texts, load_encoder
 
-    assert _mine(folder, files, "--num-negatives", "2", "--range-min", "1") == 0
+    assert _mine(folder, files, "--num-negatives", "2", "--range-min", "1", "--device", "cpu") == 0
     printed = capsys.readouterr().out
     assert "mined 12 negatives for 6 of 6 records (5 distinct anchors) from a corpus of 12 texts" in printed
     rows = [json.loads(line) for line in (files / "hard.jsonl").read_text().splitlines()]
@@ -95,6 +95,8 @@ def test_refusals_name_what_is_wrong(folder, files, capsys):
     assert "expected a .jsonl (or .jsonl.gz) file" in capsys.readouterr().err
     assert _mine(folder, files, "--overwrite", "--range-max", "2") == 2  # 2 ranks for 3 negatives
     assert "--range-max" in capsys.readouterr().err
+    assert _mine(folder, files, "--overwrite", "--device", "gpu0") == 2
+    assert "--device 'gpu0': not a torch device" in capsys.readouterr().err
 
 
 def test_finetune_embedding_reads_the_triplets(folder, files):

@@ -39,7 +39,7 @@ def cmd_mine(args) -> int:
     report = mine_file(args.model, args.data, args.out, corpus=args.corpus or (), corpus_field=args.corpus_field,
                        anchor_field=args.anchor_field, positive_field=args.positive_field,
                        negative_field=args.negative_field, settings=settings, pooling=args.pooling,
-                       batch_size=args.batch_size, max_len=args.max_len, tokenizer=args.tokenizer,
+                       batch_size=args.batch_size, max_len=args.max_len, tokenizer=args.tokenizer, device=args.device,
                        keep_unmined=args.keep_unmined, overwrite=args.overwrite, show_progress=not args.quiet)
     print(report.summary())
     return 0
@@ -97,6 +97,8 @@ def add_mine_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--max-len", type=int, metavar="N", help="most tokens per text, special tokens included "
                    "(default: a sentence-transformers folder's max_seq_length, else the model's maximum)")
     e.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json or folder, if MODEL holds none")
+    e.add_argument("--device", default="auto", help="where the model embeds: auto (cuda when available), cpu, cuda, "
+                   "cuda:1, ...; the ranking runs on the CPU")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_mine)
     return s

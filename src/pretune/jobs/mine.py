@@ -360,8 +360,8 @@ def mine_file(model: str | os.PathLike, data: str | os.PathLike, out: str | os.P
               corpus: Sequence[str | os.PathLike] = (), corpus_field: str = "text", anchor_field: str = "anchor",
               positive_field: str = "positive", negative_field: str = "negative",
               settings: MineSettings = MineSettings(), pooling: str | None = None, batch_size: int = 32,
-              max_len: int | None = None, tokenizer: str | os.PathLike | None = None, keep_unmined: bool = False,
-              overwrite: bool = False, show_progress: bool = False) -> MineReport:
+              max_len: int | None = None, tokenizer: str | os.PathLike | None = None, device: str = "cpu",
+              keep_unmined: bool = False, overwrite: bool = False, show_progress: bool = False) -> MineReport:
     """Mine hard negatives for the pairs in ``data`` with ``model`` and write the triplets to ``out`` (JSONL).
 
     Every record is written as it was read (all its fields), its ``negative_field`` set to a list: the negatives it
@@ -376,9 +376,12 @@ def mine_file(model: str | os.PathLike, data: str | os.PathLike, out: str | os.P
         corpus: files of extra candidate texts (.txt lines, or ``corpus_field`` of records).
         pooling: mean, cls or last; default the folder's sentence-transformers Pooling, else the model's own
             pooling, else its family's first (the rule ``--task embedding`` trains with).
+        device: where the model embeds (``"auto"``: cuda when available); the ranking runs on the CPU.
         settings, batch_size, max_len, tokenizer, show_progress: as in :class:`MineSettings` and
             :func:`pretune.jobs.embed.embed_texts`.
     """
+    import torch
+
     from ..interop.st_folder import read_st_modules
     from ..io.outputs import check_file
     from ..model.layout import layout_of
@@ -392,12 +395,20 @@ def mine_file(model: str | os.PathLike, data: str | os.PathLike, out: str | os.P
     check_file(out, overwrite=overwrite, what="output file")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r}: not a torch device; expected cpu, cuda, cuda:1, ... or auto") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is available here; use cpu (or auto)")
     pairs = read_pairs_for_mining(data, anchor_field=anchor_field, positive_field=positive_field,
                                   negative_field=negative_field)
     anchors, positives, existing = pairs.anchors, pairs.positives, pairs.existing
     extra = [t for path in corpus for t in read_corpus(path, field=corpus_field)]
     st = read_st_modules(model) if Path(model).is_dir() else None
-    net, tok = load_encoder(model, tokenizer=tokenizer)
+    net, tok = load_encoder(model, tokenizer=tokenizer, device=device)
     if pooling is None and st is not None:
         pooling = st.pooling
     if pooling is None:  # the embedding task's default: the model's own pooling, else its family's first
