@@ -43,8 +43,8 @@ def files(tmp_path):
     return tmp_path
 
 
-def _mine(folder, d, *extra) -> int:
-    return main(["mine", str(folder), "--data", str(d / "pairs.jsonl"), "--out", str(d / "hard.jsonl"), "--corpus",
+def _mine(folder, d, *extra, out="hard.jsonl") -> int:
+    return main(["mine", str(folder), "--data", str(d / "pairs.jsonl"), "--out", str(d / out), "--corpus",
                  str(d / "corpus.txt"), "--anchor-field", "query", "--positive-field", "doc", "--quiet", *extra])
 
 
@@ -100,18 +100,20 @@ def test_refusals_name_what_is_wrong(folder, files, capsys):
 
 
 def test_finetune_embedding_reads_the_triplets(folder, files):
-    """The mined file is a triplet file for --task embedding: every negative reaches the batch, and a run trains."""
+    """The mined file (gzipped here) is a triplet file for --task embedding: every negative reaches the batch, and a
+    run trains on it."""
+    from pretune.data.readers import iter_records
     from pretune.jobs.finetune import finetune, load_finetune_config
     from pretune.loading import load_pretrained
     from pretune.tasks import TaskConfig, build_task
     from pretune.tasks.base import Record
 
-    assert _mine(folder, files, "--negative-field", "hard") == 0
-    out = files / "hard.jsonl"
+    assert _mine(folder, files, "--negative-field", "hard", out="hard.jsonl.gz") == 0
+    out = files / "hard.jsonl.gz"
     loaded = load_pretrained(folder)
     task = build_task(TaskConfig(name="embedding", anchor_field="query", positive_field="doc", negative_field="hard"),
                       loaded.model.config, loaded.tokenizer)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [r for _, r in iter_records(out)]
     batch = task.collate([f for k, r in enumerate(rows) for f in task.encode(Record(f"hard.jsonl:{k + 1}", r))])
     assert batch["input_ids"].shape[0] == 6 + 6 + 18 and batch["n_docs"].tolist() == [4] * 6  # 3 negatives each
     cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=embedding", "task.anchor_field=query",
