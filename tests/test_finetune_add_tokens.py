@@ -216,3 +216,84 @@ def test_an_untied_head_grows_its_own_mean_rows_and_peft_refuses_it(tokenizers_b
     with pytest.raises(ConfigError, match="need the LM head tied to the token embedding"):
         train_new_tokens(model, "default", ids)
     assert type(model.transformer.embed) is torch.nn.Embedding  # left as it was
+
+
+CHATML = ["<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """Chats (messages) for SFT on a base model that learns ChatML's tokens."""
+    d = tmp_path_factory.mktemp("chats")
+    words = ["house", "garden", "letter", "morning", "walk", "sister"]
+    rows = [{"messages": [{"role": "user", "content": f"the {a} or the {b}?"},
+                          {"role": "assistant", "content": "same" if a == b else "other"}]}
+            for a in words for b in words]
+    return {"train": _write(d / "train.jsonl", rows[:32]), "dev": _write(d / "dev.jsonl", rows[32:])}
+
+
+def _chat_cfg(tokenizers_by_kind, data, out, *extra):
+    return load_finetune_config(None, [f"tokenizer={tokenizers_by_kind['bpe']}", "task.name=sft",
+                                       f"data.train={data['train']}", f"data.dev={data['dev']}", f"train.out={out}",
+                                       "train.batch_size=8", "tune.epochs=0", "train.steps=3", "train.lr=1e-2",
+                                       "train.plot=false", "task.max_len=32", "task.max_target_len=4",
+                                       "task.chat_template=chatml", *extra])
+
+
+def test_sft_on_a_base_model_learns_new_chat_tokens_and_exports_them(tokenizers_by_kind, chats, tmp_path):
+    """task.add_tokens=<|im_start|>,<|im_end|> with task.chat_template=chatml: the chats render with each token one
+    id, the assistant's <|im_end|> is learnt (never <|im_start|>), generation stops at it, the rows train, and the
+    model folder loads in transformers with the tokens and the template: apply_chat_template gives pretune's ids, the
+    model pretune's logits."""
+    transformers = pytest.importorskip("transformers")
+    from pretune import to_hf
+    from pretune.io.tokenization import load_tokenizer
+    from pretune.model.layout import IGNORE
+    from pretune.tasks import TaskConfig, build_task
+    from pretune.tasks.base import Record
+    from pretune.tasks.sft import CHATML_TEMPLATE
+
+    res = finetune(_chat_cfg(tokenizers_by_kind, chats, tmp_path / "run", "model.preset=tiny-gpt2",
+                             "task.add_tokens=" + json.dumps(CHATML)), show_progress=False, log=_quiet)
+    ours, tok = load(res.model_dir).eval(), load_tokenizer(res.model_dir)
+    assert tok.chat_template == CHATML_TEMPLATE  # kept in the folder (chat_template.jinja)
+    start, end = (tok.token_to_id(t) for t in CHATML)
+    msgs = json.loads(chats["dev"].read_text().splitlines()[0])["messages"]
+    task = build_task(TaskConfig(name="sft", max_len=32), ours.config, tok)
+    feat = task.encode(Record("dev:1", {"messages": msgs}))[0]
+    ids, labels = list(feat["input_ids"]), list(feat["labels"])
+    assert ids.count(start) == 2 and ids.count(end) == 2  # a user and an assistant turn, each marker one id
+    learnt = [i for i, lab in zip(ids, labels) if lab != IGNORE]
+    assert end in learnt and start not in learnt and learnt[-2] == end  # "...other<|im_end|>\n"
+    assert end in task.stop_ids
+
+    hf_dir = to_hf(ours, tmp_path / "hf", tokenizer_dir=res.model_dir)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert hf_tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"] == ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(input_ids=x).logits, ours(x).logits, atol=1e-5, rtol=1e-5)
+    w = ours.transformer.embed.weight
+    assert not torch.allclose(w[start], w[end])  # trained apart from their common start (the mean of the others)
+
+
+def test_sft_chat_tokens_under_lora_train_only_their_rows(tokenizers_by_kind, chats, base_dir, tmp_path):
+    import pretune
+
+    res = finetune(_chat_cfg(tokenizers_by_kind, chats, tmp_path / "run", f"model.init={base_dir}",
+                             "peft.method=lora", "train.lr=5e-2", "task.add_tokens=" + json.dumps(CHATML)),
+                   show_progress=False, log=_quiet)
+    base, tuned = load(base_dir), pretune.load(res.model_dir)
+    n_old = base.config.vocab_size
+    embed = tuned.transformer.embed
+    assert torch.equal(embed.base_layer.weight[:n_old], base.transformer.embed.weight)  # the table: bit for bit
+    start = base.transformer.embed.weight.mean(0)
+    assert all(not torch.allclose(r, start) for r in embed.trainable_tokens_delta["default"])  # both rows moved
+
+
+def test_chatml_without_its_tokens_is_a_message(tokenizers_by_kind, chats, tmp_path):
+    with pytest.raises(ConfigError, match=r"task.chat_template=chatml writes <\|im_start\|>, <\|im_end\|>.*"
+                                          r"task.add_tokens"):
+        prepare(_chat_cfg(tokenizers_by_kind, chats, tmp_path / "run", "model.preset=tiny-gpt2"),
+                show_progress=False, log=_quiet)

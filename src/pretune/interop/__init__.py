@@ -31,7 +31,8 @@ from ..io.checkpoint import (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "vocab.json", "merges.txt", "spiece.model", "spm.model", "added_tokens.json")
+                   "vocab.json", "merges.txt", "spiece.model", "spm.model", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")  # the template too: transformers reads it beside them
 
 
 class InteropError(ValueError):

@@ -190,6 +190,10 @@ class Task(Objective):
             out.update(num_labels=2, labels=None)
         return out
 
+    @classmethod
+    def setup_tokenizer(cls, cfg: TaskConfig, tok, log=print) -> None:
+        """Set the run's tokenizer up before the task reads it, after task.add_tokens (sft: its chat template)."""
+
     def encode(self, rec: Record, *, labelled: bool = True) -> list[dict]:
         """Features (numpy arrays; keys starting with '_' are metadata, not collated) for one record."""
         raise NotImplementedError

@@ -29,9 +29,11 @@ positions restarting per example, so no example sees another.
 
 from __future__ import annotations
 
+import json
 import string
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -52,6 +54,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")
 
+# ChatML (TRL's setup_chat_format): "<|im_start|>role\ncontent<|im_end|>\n" per message; the generation prompt opens an
+# assistant turn. A base model learns it with the two tokens added (task.add_tokens), their rows trained
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATES = {"chatml": (CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>"))}  # name -> (template, its tokens)
+
 # end-of-turn tokens of the chat formats in use; generation stops at any of them that the tokenizer has
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
 LABEL_WORDS_MAX = 20  # completions are label words when the references take at most this many short values
@@ -69,6 +78,26 @@ class SFTSettings(GenerationSettings):
     chat: bool = False  # prompt/completion strings become a user and an assistant turn of the chat template
     system: str = ""  # a system message put before each conversation that has none
     assistant_turns: Literal["all", "last"] = "all"  # chats: learn every assistant turn, or the last one only
+    chat_template: str = ""  # the run's chat template, in place of the model's: chatml (needs its two tokens, e.g.
+    # task.add_tokens='["<|im_start|>","<|im_end|>"]' on a base model), a .jinja file, or Jinja text; the finetuned
+    # folder keeps it (chat_template.jinja). Empty: the model's own, else pretune's default
+
+    def validate(self) -> None:
+        super().validate()
+        t = self.chat_template
+        if t.endswith(".jinja") and "{" not in t and not Path(t).is_file():
+            raise ConfigError(f"task.chat_template={t!r}: no such file (a .jinja file, Jinja text, or one of "
+                              f"{', '.join(CHAT_TEMPLATES)})")
+        if t and t not in CHAT_TEMPLATES and "{" not in t and not t.endswith(".jinja"):
+            raise ConfigError(f"task.chat_template={t!r} is neither a template name ({', '.join(CHAT_TEMPLATES)}), a "
+                              ".jinja file nor Jinja text")
+
+    def template_text(self) -> str:
+        """The Jinja text task.chat_template names (empty: none set)."""
+        t = self.chat_template
+        if t in CHAT_TEMPLATES:
+            return CHAT_TEMPLATES[t][0]
+        return Path(t).read_text() if t.endswith(".jinja") and "{" not in t else t
 
 
 def chat_template(tok) -> ChatTemplate:
@@ -109,6 +138,25 @@ class SFT(Seq2Seq):
 
     def records(self) -> dict:
         return {"decoder_layout": "causal"}
+
+    @classmethod
+    def setup_tokenizer(cls, cfg: SFTSettings, tok, log=print) -> None:
+        """task.chat_template: the run's tokenizer renders chats with it from now on, and the model folder keeps it.
+        ChatML's tokens must be single tokens of the tokenizer (a base model: task.add_tokens adds them)."""
+        text = cfg.template_text()
+        if not text:
+            return
+        needs = CHAT_TEMPLATES.get(cfg.chat_template, ("", ()))[1]
+        missing = [t for t in needs if tok.tk.encode(t, add_special_tokens=False).ids != [tok.token_to_id(t)]]
+        if missing:
+            raise ConfigError(f"task.chat_template={cfg.chat_template} writes {', '.join(missing)}, which the "
+                              f"tokenizer does not hold as single tokens: add {'them' if len(missing) > 1 else 'it'} "
+                              f"with task.add_tokens='{json.dumps(missing)}' (new rows, trained) or use the model's "
+                              "own template")
+        if tok.chat_template and tok.chat_template != text:
+            log(f"task.chat_template={cfg.chat_template if cfg.chat_template in CHAT_TEMPLATES else '...'} replaces "
+                "the model's own chat template")
+        tok.chat_template = text
 
 
     # -- records -> token ids ---------------------------------------------------------------------------------

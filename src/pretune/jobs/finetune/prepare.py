@@ -69,6 +69,7 @@ def prepare(cfg: FinetuneConfig, *, show_progress: bool = True, log=print) -> Pr
         from ...io.new_tokens import add_special_tokens
 
         tok, method.new_token_ids = add_special_tokens(model, tok, cfg.task.add_tokens, log=log)
+    task_cls.setup_tokenizer(cfg.task, tok, log=log)  # sft: task.chat_template (which may use the new tokens)
     room = method.room(cfg, model.config)
     if cfg.task.max_len > room:
         log(f"task.max_len {cfg.task.max_len} -> {room}: the other positions go to the soft prompt")
