@@ -32,8 +32,8 @@ class DistInfo:
     def gather_with_grad(self, *parts: torch.Tensor) -> list[list[torch.Tensor]]:
         """For each of ``parts`` (2-D, the same width; their row counts may differ from process to process), that
         part of every process in rank order: ``out[j][r]`` is part j of rank r. Gradients flow back: what a loss on
-        any process puts on rank r's rows is summed onto rank r's own tensors (as ``torch.distributed.nn``'s
-        all_gather, by an all-reduce, so gloo serves too), so DDP's averaging then gives the gradient of one process
+        any process puts on rank r's rows is summed onto rank r's own tensors (what ``torch.distributed.nn``'s
+        all_gather, now deprecated, does for equal shapes), so DDP's averaging then gives the gradient of one process
         that held every row. Every process must call it alike. One process: ``[[p] for p in parts]``."""
         if not self.enabled:
             return [[p] for p in parts]
@@ -55,7 +55,8 @@ class DistInfo:
 class _GatherRows(torch.autograd.Function):
     """(n, width) rows of this process -> (world, rows, width): every process's rows, padded with zeros to ``rows``.
     Backward: the gradient of the whole gathered tensor summed over the processes (each one's loss reached every
-    process's rows), this process's slice of it returned."""
+    process's rows), this process's slice of it returned. An all-reduce of the padded gradient, where a reduce-scatter
+    would move 1/world of it: embeddings are small, and it is one collective every backend has."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, rows: int, rank: int) -> torch.Tensor:
