@@ -183,10 +183,9 @@ def test_refusals_name_the_family_option_and_tokenizer(tok, tmp_path, capsys):
     with pytest.raises(GGUFError, match="attn_scale=0.5"):
         write_gguf(g2, tmp_path / "g.gguf", tokenizer=tok)
     llama = TransformerLM(_config("llama"))
-    for kind, why in (("unigram", "a Unigram tokenizer"), ("wordpiece", "a WordPiece tokenizer")):
-        other = train_tokenizer(texts=CORPUS, kind=kind, vocab_size=300, sentinels=0, show_progress=False)
-        with pytest.raises(GGUFTokenizerError, match=why):
-            write_gguf(llama, tmp_path / "t.gguf", tokenizer=other)
+    wordpiece = train_tokenizer(texts=CORPUS, kind="wordpiece", vocab_size=300, show_progress=False)
+    with pytest.raises(GGUFTokenizerError, match="a WordPiece tokenizer"):
+        write_gguf(llama, tmp_path / "t.gguf", tokenizer=wordpiece)
     lower = train_tokenizer(texts=CORPUS, kind="bpe", vocab_size=300, lowercase=True, show_progress=False)
     with pytest.raises(GGUFTokenizerError, match="normaliser \\(Lowercase"):
         write_gguf(llama, tmp_path / "t.gguf", tokenizer=lower)
@@ -262,3 +261,104 @@ def test_a_model_without_tokenizer_takes_one_given(tok, tmp_path, capsys):
     given = ["--tokenizer", str(tmp_path / "tok.json")]
     assert main(["convert", "--to-gguf", str(tmp_path / "ck"), "--out", out, *given]) == 0
     assert gguf.GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Unigram (pretune tokenizer train --kind unigram) as llama.cpp's UGM ("t5") tokenizer
+# ---------------------------------------------------------------------------------------------
+NFKC_TEXT = "ﬁne ﬂour,\t½ cup…  Ｆｕｌｌ－ｗｉｄｔｈ e\u0301 ™ \u00a0end "
+
+
+def _pretune_view(tok, text: str) -> str:
+    """The text a Unigram tokenizer's Viterbi runs on: normalised, then Metaspace's ▁ before each word."""
+    return "".join(p for p, _ in tok.tk.pre_tokenizer.pre_tokenize_str(tok.tk.normalizer.normalize_str(text)))
+
+
+@pytest.fixture(scope="module")
+def unigram():
+    return train_tokenizer(texts=CORPUS, kind="unigram", vocab_size=300, sentinels=2, show_progress=False)
+
+
+def test_unigram_file_holds_llamacpp_ugm_keys_and_reads_back(unigram, tmp_path):
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
+
+    unigram.chat_template = TEMPLATE
+    model = _model(_config("llama"))  # 320 ids: more than the tokenizer's
+    out = write_gguf(model, tmp_path / "u.gguf", tokenizer=unigram)
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(out).fields.items() if not k.startswith("GGUF.")}
+    assert fields["tokenizer.ggml.model"] == "t5"  # llama.cpp: LLAMA_VOCAB_TYPE_UGM
+    assert "tokenizer.ggml.merges" not in fields and "tokenizer.ggml.pre" not in fields
+    n = unigram.vocab_size
+    pieces = unigram._parsed()["model"]["vocab"]
+    assert fields["tokenizer.ggml.tokens"][:n] == [p for p, _ in pieces]
+    assert fields["tokenizer.ggml.tokens"][n:] == [f"[PAD{i}]" for i in range(n, 320)]
+    np.testing.assert_array_equal(np.float32(fields["tokenizer.ggml.scores"][:n]), np.float32([s for _, s in pieces]))
+    types = fields["tokenizer.ggml.token_type"]
+    specials = set(unigram.tk.get_added_tokens_decoder())  # <pad> </s> <unk> <extra_id_0> <extra_id_1>
+    assert len(specials) == 5 and {types[i] for i in specials} == {3}  # CONTROL
+    assert set(types[n:]) == {3}  # the padding ids too: llama.cpp's UGM would match a NORMAL or UNUSED "[PAD300]"
+    assert {types[i] for i in range(n) if i not in specials} == {1}  # NORMAL
+    assert (fields["tokenizer.ggml.unknown_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.padding_token_id"]) == (unigram.unk_id, unigram.eos_id, unigram.pad_id)
+    assert fields["tokenizer.ggml.add_space_prefix"] and fields["tokenizer.ggml.remove_extra_whitespaces"]
+    assert not fields["tokenizer.ggml.add_bos_token"] and not fields["tokenizer.ggml.add_eos_token"]
+    assert fields["tokenizer.chat_template"] == TEMPLATE
+    # the character map, run by SentencePiece's normaliser (which llama.cpp's UGM tokenizer ports) with the file's
+    # whitespace keys, gives the text pretune's own NFKC normaliser and Metaspace give
+    charsmap = bytes(fields["tokenizer.ggml.precompiled_charsmap"])
+    spec = sentencepiece_model_pb2.NormalizerSpec(precompiled_charsmap=charsmap, add_dummy_prefix=True,
+                                                  escape_whitespaces=True, remove_extra_whitespaces=True)
+    spm_norm = spm.SentencePieceNormalizer(normalizer_spec=spec.SerializeToString())
+    for text in (NFKC_TEXT, TEXT, "  two  spaces\n\nand lines  "):
+        assert spm_norm.Normalize(text) == _pretune_view(unigram, text), text
+    assert _pretune_view(unigram, NFKC_TEXT).startswith("▁fine▁flour,▁1⁄2▁cup...▁Full-width▁é▁TM▁end")
+
+    back, tok2 = read_gguf(out)  # tokenizer.huggingface.json: pretune's own tokenizer back
+    for text in (TEXT, NFKC_TEXT):
+        assert tok2.encode(text) == unigram.encode(text)
+    assert (tok2.eos_id, tok2.unk_id, tok2.pad_id) == (unigram.eos_id, unigram.unk_id, unigram.pad_id)
+    ids = unigram.encode(TEXT)
+    torch.testing.assert_close(_logits(back, ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def _unigram_with(vocab, *, normalizer=None):
+    """A Unigram tokenizer with the recipe's pipeline (or ``normalizer``) over hand-made pieces and scores."""
+    import tokenizers
+    from tokenizers import Regex, models, normalizers, pre_tokenizers
+
+    from pretune.io.tokenization import Tokenizer
+
+    tk = tokenizers.Tokenizer(models.Unigram(vocab, unk_id=2))
+    tk.normalizer = normalizer or normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()])
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tk.add_special_tokens(["<pad>", "</s>", "<unk>"])
+    return Tokenizer(tk)
+
+
+def test_unigram_that_would_not_round_trip_is_refused_by_name(tmp_path, capsys):
+    from tokenizers import normalizers
+
+    llama = _model(_config("llama"))
+    letters = [(c, -4.0) for c in "abcdfghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    # "the" as one piece (-3.0) or "▁th" + "e" (-1.4999999999 - 1.5): pretune's float64 scores split it; stored as
+    # float32, -1.4999999999 is -1.5, the two tie, and llama.cpp's Viterbi keeps the piece it found first, "▁the"
+    tie = _unigram_with(specials + letters + [("▁the", -3.0), ("▁th", -1.4999999999), ("e", -1.5)])
+    assert [tie.tk.id_to_token(i) for i in tie.encode("the")] == ["▁th", "e"]
+    with pytest.raises(GGUFTokenizerError, match=r"Unigram tokenizer is not written into GGUF: llama.cpp's UGM "
+                                                 r"tokenizer \(its character map, whitespace rules and float32 "
+                                                 r"scores\) would tokenize .* otherwise than pretune"):
+        write_gguf(llama, tmp_path / "t.gguf", tokenizer=tie)
+    nfkc_only = _unigram_with(specials + letters + [("e", -4.0)], normalizer=normalizers.NFKC())
+    with pytest.raises(GGUFTokenizerError, match=r"normaliser \{\"type\": \"NFKC\"\} is not the recipe's"):
+        write_gguf(llama, tmp_path / "t.gguf", tokenizer=nfkc_only)
+    spanning = _unigram_with(specials + letters + [("e", -4.0), ("▁a▁b", -1.0)])
+    with pytest.raises(GGUFTokenizerError, match="piece '▁a▁b' .* across a word boundary"):
+        write_gguf(llama, tmp_path / "t.gguf", tokenizer=spanning)
+    assert not (tmp_path / "t.gguf").exists()
+    pretune.save(llama, tmp_path / "ck", tokenizer=tie)  # the command names the model whose tokenizer it refused
+    assert main(["convert", "--to-gguf", str(tmp_path / "ck"), "--out", str(tmp_path / "t.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'ck'}: a Unigram tokenizer is not written into GGUF" in err and "--kind bpe" in err

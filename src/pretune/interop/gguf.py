@@ -271,7 +271,8 @@ def write_gguf(model, out: str | os.PathLike, *, tokenizer, type: str = "f32", n
     Args:
         model: a TransformerLM of a family in ``ARCHS`` with head 'lm' (anything else raises GGUFError naming it).
         out: the .gguf file (an existing one is refused unless ``overwrite``); written to a temporary file first.
-        tokenizer: the model's ``pretune.io.tokenization.Tokenizer`` (byte-level BPE; see ``io/gguf_tokenizer.py``).
+        tokenizer: the model's ``pretune.io.tokenization.Tokenizer`` (byte-level BPE or Unigram; see
+            ``io/gguf_tokenizer.py``).
         type: one of ``TYPES`` (llama.cpp's names).
         name: ``general.name`` (default: the file's stem).
     """

@@ -1,12 +1,17 @@
-"""A tokenizer in a GGUF file's ``tokenizer.*`` keys, both ways: llama.cpp's "gpt2" (byte-level BPE) model.
+"""A tokenizer in a GGUF file's ``tokenizer.*`` keys, both ways: llama.cpp's "gpt2" (byte-level BPE) and "t5"
+(SentencePiece Unigram) models.
 
-What llama.cpp can run is a byte-level BPE whose pre-tokenizer it knows by name (``tokenizer.ggml.pre``): GPT-2's
+What llama.cpp can run as byte-level BPE is one whose pre-tokenizer it knows by name (``tokenizer.ggml.pre``): GPT-2's
 regex alone (``pretune tokenizer train --kind bpe``: "gpt-2") or digits split one by one before it (SmolLM2,
-StarCoder: "smollm"). It has no normaliser, so a tokenizer that lowercases or NFKC-normalises (``--lowercase``, the
-Unigram and WordPiece recipes) is refused by name rather than written into a file whose ids would differ from
-pretune's. Tokens are written by id (ids the model has beyond the tokenizer's as ``[PADn]`` of type UNUSED, as
-llama.cpp's converter pads them), added special tokens as CONTROL, other added tokens as USER_DEFINED; no BOS or EOS
-is added when llama.cpp tokenizes (pretune's ``encode`` adds none either).
+StarCoder: "smollm"). Its BPE has no normaliser, so a BPE tokenizer that lowercases (``--lowercase``) and the
+WordPiece recipe are refused by name rather than written into a file whose ids would differ from pretune's. A
+Unigram tokenizer (``--kind unigram``: NFKC, which llama.cpp lacks) is written as llama.cpp's UGM model with its
+normaliser as a precompiled character map, only where that round-trips (``io/gguf_unigram.py`` says how that is
+checked), and with its tokenizer.json as ``tokenizer.huggingface.json`` so pretune reads it back exactly. Tokens are
+written by id (ids the model has beyond the tokenizer's as ``[PADn]``: type UNUSED as llama.cpp's converter pads
+them; CONTROL for Unigram, whose llama.cpp tokenizer would otherwise match the text "[PADn]"), added special tokens
+as CONTROL, other added tokens as USER_DEFINED; no BOS or EOS is added when llama.cpp tokenizes (pretune's
+``encode`` adds none either).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+
+import numpy as np
 
 from .tokenization import Tokenizer, TokenizerError
 
@@ -23,6 +30,8 @@ __all__ = ["GGUFTokenizerError", "tokenizer_keys", "write_tokenizer", "read_toke
 _GPT2_BYTELEVEL = {"type": "ByteLevel", "use_regex": True, "add_prefix_space": False}
 _DIGITS = {"type": "Digits", "individual_digits": True}
 _PRE_NAMES = ("gpt-2", "smollm", "starcoder")  # what read_tokenizer rebuilds ("starcoder": smollm's regex)
+
+_HF_JSON = "tokenizer.huggingface.json"  # gguf.Keys.Tokenizer.HF_JSON: the Unigram tokenizer.json, read back exactly
 
 # gguf.TokenType values (llama.h: LLAMA_TOKEN_TYPE_*)
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
@@ -38,11 +47,6 @@ def _subset(step: dict, want: dict) -> bool:
 
 def _pre_name(data: dict) -> str:
     """llama.cpp's pre-tokenizer name for a tokenizer.json (raises naming what it is when llama.cpp has none)."""
-    model = data["model"]["type"]
-    if model != "BPE":
-        raise GGUFTokenizerError(f"a {model} tokenizer is not written into GGUF: llama.cpp runs pretune's byte-level "
-                                 "BPE tokenizers (pretune tokenizer train --kind bpe) and SmolLM2's; a Unigram one "
-                                 "would need NFKC normalisation, which llama.cpp lacks")
     if data.get("normalizer") is not None:
         raise GGUFTokenizerError(f"the tokenizer has a normaliser ({data['normalizer'].get('type')}, e.g. "
                                  "--lowercase), which llama.cpp's BPE tokenizer does not apply: its ids would differ")
@@ -60,22 +64,43 @@ def _merges(model: dict) -> list[str]:
     return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
 
-def tokenizer_keys(tok: Tokenizer, vocab_size: int) -> dict:
-    """What a GGUF file holds of ``tok`` (tokens, types, merges, pre-tokenizer, special ids, chat template) for a
-    model with ``vocab_size`` ids; raises GGUFTokenizerError naming why llama.cpp would tokenize differently."""
-    data = tok._parsed()
+def _model_keys(tok: Tokenizer, data: dict) -> dict:
+    """The keys of llama.cpp's tokenizer model for ``tok``: "gpt2" (pre-tokenizer name, merges) or "t5" (scores,
+    character map, whitespace keys)."""
+    from .gguf_unigram import unigram_keys
+
+    model = data["model"]["type"]
+    if model == "Unigram":
+        try:
+            return {"model": "t5", **unigram_keys(tok, data)}
+        except TokenizerError as e:
+            raise GGUFTokenizerError(str(e)) from None
+    if model != "BPE":
+        raise GGUFTokenizerError(f"a {model} tokenizer is not written into GGUF: llama.cpp runs pretune's byte-level "
+                                 "BPE tokenizers (pretune tokenizer train --kind bpe), SmolLM2's, and Unigram ones "
+                                 "(--kind unigram) whose ids it reproduces")
     pre = _pre_name(data)
     if data["model"].get("byte_fallback"):
         raise GGUFTokenizerError("a byte-fallback BPE (<0xNN> tokens) is a SentencePiece tokenizer, not byte-level")
+    return {"model": "gpt2", "pre": pre, "merges": _merges(data["model"])}
+
+
+def tokenizer_keys(tok: Tokenizer, vocab_size: int) -> dict:
+    """What a GGUF file holds of ``tok`` (model, tokens, types, merges or scores, pre-tokenizer or character map,
+    special ids, chat template) for a model with ``vocab_size`` ids; raises GGUFTokenizerError naming why llama.cpp
+    would tokenize differently."""
+    data = tok._parsed()
     if tok.vocab_size > vocab_size:
         raise GGUFTokenizerError(f"the tokenizer has {tok.vocab_size} tokens, the model {vocab_size} ids")
+    keys = _model_keys(tok, data)
+    filler = _CONTROL if keys["model"] == "t5" else _UNUSED
     added = tok.tk.get_added_tokens_decoder()
     by_id = {i: t for t, i in tok.tk.get_vocab(with_added_tokens=True).items()}
     tokens, types = [], []
     for i in range(vocab_size):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
-            types.append(_UNUSED)
+            types.append(filler)
         elif i in added:
             tokens.append(by_id[i])
             types.append(_CONTROL if added[i].special else _USER_DEFINED)
@@ -83,24 +108,34 @@ def tokenizer_keys(tok: Tokenizer, vocab_size: int) -> dict:
             tokens.append(by_id[i])
             types.append(_NORMAL)
     ids = {role: getattr(tok, f"{role}_id") for role in ("bos", "eos", "unk", "pad")}
-    return {"pre": pre, "tokens": tokens, "types": types, "merges": _merges(data["model"]),
-            "ids": {k: v for k, v in ids.items() if v is not None}, "chat_template": tok.chat_template}
+    if keys["model"] == "t5":  # fillers score 0 as the special pieces do; llama.cpp reads one score per token
+        keys["scores"] = np.concatenate([keys["scores"], np.zeros(vocab_size - len(keys["scores"]), np.float32)])
+        keys["json"] = tok.tk.to_str()
+    return {**keys, "tokens": tokens, "types": types, "ids": {k: v for k, v in ids.items() if v is not None},
+            "chat_template": tok.chat_template}
 
 
 def write_tokenizer(writer, tok: Tokenizer, vocab_size: int) -> None:
     """Add ``tok``'s keys (:func:`tokenizer_keys`) to a ``gguf.GGUFWriter``."""
     keys = tokenizer_keys(tok, vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(keys["pre"])
+    writer.add_tokenizer_model(keys["model"])
     writer.add_token_list(keys["tokens"])
     writer.add_token_types(keys["types"])
-    writer.add_token_merges(keys["merges"])
+    if keys["model"] == "gpt2":
+        writer.add_tokenizer_pre(keys["pre"])
+        writer.add_token_merges(keys["merges"])
+        writer.add_add_space_prefix(False)
+    else:
+        writer.add_token_scores(keys["scores"].tolist())
+        writer.add_precompiled_charsmap(keys["charsmap"])
+        writer.add_add_space_prefix(keys["add_space_prefix"])
+        writer.add_remove_extra_whitespaces(keys["remove_extra_whitespaces"])
+        writer.add_string(_HF_JSON, keys["json"])
     for role, i in keys["ids"].items():
         getattr(writer, {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "unk": "add_unk_token_id",
                          "pad": "add_pad_token_id"}[role])(i)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)
     if keys["chat_template"]:
         writer.add_chat_template(keys["chat_template"])
 
@@ -110,27 +145,12 @@ def _value(fields: dict, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def read_tokenizer(fields: dict, *, source: str) -> Tokenizer:
-    """The tokenizer a GGUF file holds (``GGUFReader.fields``): llama.cpp's "gpt2" model with a pre-tokenizer named in
-    ``_PRE_NAMES``; anything else raises GGUFTokenizerError naming it and ``source`` (the file)."""
+def _bpe(tokens: list[str], types: list[int], merges: list[tuple[str, str]], pre: str):
+    """llama.cpp's "gpt2" model as a ``tokenizers`` byte-level BPE."""
     import tokenizers
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-    kind, pre = _value(fields, "tokenizer.ggml.model"), _value(fields, "tokenizer.ggml.pre", "default")
-    if kind is None:
-        raise GGUFTokenizerError(f"{source}: no tokenizer in the file (no tokenizer.ggml.model key)")
-    if kind != "gpt2" or pre not in _PRE_NAMES:
-        raise GGUFTokenizerError(f"{source}: tokenizer model {kind!r} with pre-tokenizer {pre!r} is not read (pretune "
-                                 f"reads llama.cpp's byte-level 'gpt2' model with pre-tokenizer "
-                                 f"{', '.join(map(repr, _PRE_NAMES))})")
-    tokens = _value(fields, "tokenizer.ggml.tokens")
-    types = _value(fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _value(fields, "tokenizer.ggml.merges", [])]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.tokens repeats a token ({len(tokens) - len(vocab)} "
-                                 "repeats)")
-    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tk = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.pre_tokenizer = byte_level if pre == "gpt-2" else pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -139,6 +159,49 @@ def read_tokenizer(fields: dict, *, source: str) -> Tokenizer:
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for i, t in enumerate(tokens) if types[i] == _CONTROL])
     tk.add_tokens([AddedToken(t, normalized=False) for i, t in enumerate(tokens) if types[i] == _USER_DEFINED])
+    return tk
+
+
+def _unigram(tokens: list[str], text: str, source: str):
+    """llama.cpp's "t5" model as pretune wrote it: the tokenizer.json it carries, its pieces checked against the
+    file's token list (the ids llama.cpp uses)."""
+    import tokenizers
+
+    try:
+        tk = tokenizers.Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        raise GGUFTokenizerError(f"{source}: {_HF_JSON} is not a tokenizer.json ({e})") from None
+    by_id = {i: t for t, i in tk.get_vocab(with_added_tokens=True).items()}
+    wrong = next((i for i, t in enumerate(tokens) if i in by_id and by_id[i] != t), None)
+    if wrong is not None or len(by_id) > len(tokens):
+        raise GGUFTokenizerError(f"{source}: {_HF_JSON} does not match tokenizer.ggml.tokens (token {wrong}: "
+                                 f"{by_id.get(wrong)!r} there, {tokens[wrong] if wrong is not None else None!r} in "
+                                 "the list)")
+    return tk
+
+
+def read_tokenizer(fields: dict, *, source: str) -> Tokenizer:
+    """The tokenizer a GGUF file holds (``GGUFReader.fields``): llama.cpp's "gpt2" model with a pre-tokenizer named in
+    ``_PRE_NAMES``, or its "t5" model as pretune writes it (with ``tokenizer.huggingface.json``); anything else raises
+    GGUFTokenizerError naming it and ``source`` (the file)."""
+    kind, pre = _value(fields, "tokenizer.ggml.model"), _value(fields, "tokenizer.ggml.pre", "default")
+    if kind is None:
+        raise GGUFTokenizerError(f"{source}: no tokenizer in the file (no tokenizer.ggml.model key)")
+    unigram = kind == "t5" and _HF_JSON in fields
+    if not unigram and (kind != "gpt2" or pre not in _PRE_NAMES):
+        raise GGUFTokenizerError(f"{source}: tokenizer model {kind!r} with pre-tokenizer {pre!r} is not read (pretune "
+                                 f"reads llama.cpp's byte-level 'gpt2' model with pre-tokenizer "
+                                 f"{', '.join(map(repr, _PRE_NAMES))}, and the 't5' (Unigram) model with the "
+                                 f"{_HF_JSON} key pretune writes)")
+    tokens = _value(fields, "tokenizer.ggml.tokens")
+    if len(set(tokens)) != len(tokens):
+        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.tokens repeats a token ({len(tokens) - len(set(tokens))} "
+                                 "repeats)")
+    if unigram:
+        tk = _unigram(tokens, _value(fields, _HF_JSON), source)
+    else:
+        types = _value(fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        tk = _bpe(tokens, types, [tuple(m.split(" ", 1)) for m in _value(fields, "tokenizer.ggml.merges", [])], pre)
     roles = {}
     for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
                       ("pad", "padding_token_id")):

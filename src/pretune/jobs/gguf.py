@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..interop.gguf import GGUFError, check_out, read_gguf, write_gguf, write_lora_gguf
+from ..io.gguf_tokenizer import GGUFTokenizerError
 from ..loading import folder_kind, load_pretrained
 
 __all__ = ["export_gguf", "import_gguf", "lora_factors"]
@@ -65,7 +66,10 @@ def export_gguf(src: str | os.PathLike, out: str | os.PathLike, *, type: str = "
                                overwrite=overwrite)
         return path, f"a GGUF LoRA for {loaded.base} (llama.cpp: --lora {path})"
     loaded = load_pretrained(src, base=base, tokenizer=tokenizer, merge=True)
-    path = write_gguf(loaded.model, out, tokenizer=loaded.tokenizer, type=type, overwrite=overwrite)
+    try:
+        path = write_gguf(loaded.model, out, tokenizer=loaded.tokenizer, type=type, overwrite=overwrite)
+    except GGUFTokenizerError as e:  # name the tokenizer: the model's own, or the one --tokenizer gave
+        raise GGUFTokenizerError(f"{tokenizer or src}: {e}") from None
     return path, f"a {type} GGUF model ({loaded.model.num_parameters():,} parameters)"
 
 
