@@ -323,3 +323,46 @@ def test_a_lora_run_writes_merged_weights_as_a_sentence_transformers_folder(fold
 def _lines(tmp_path, texts):
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
     return tmp_path / "texts.txt"
+
+
+@pytest.mark.slow  # ~30 s of torchrun (make test-slow); the Trainer step on 2 processes runs by default (above)
+@pytest.mark.parametrize("cfg", [[], ["task.mini_batch=2", "task.symmetric=true"]])
+def test_finetune_under_torchrun_equals_one_process(folder, tmp_path, cfg):
+    """`pretune finetune --task embedding` on 2 DDP processes (gloo) against 1: the same losses, weights and dev
+    metrics (gathered negatives; the cached loss's gradients averaged by the trainer)."""
+    import os
+    import random
+    import subprocess
+    import sys
+
+    from pretune.io.checkpoint import read_weights
+
+    pairs, _ = _ddp_batches()
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs * 2))
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1")
+    runs = {}
+    for procs in (1, 2):
+        out = tmp_path / f"run{procs}"
+        cmd = ["-m", "pretune", "finetune", "--model", str(folder), "--task", "embedding", "--train",
+               str(tmp_path / "train.jsonl"), "--dev", str(tmp_path / "dev.jsonl"), "--out", str(out), "--quiet",
+               "train.batch_size=6", "train.steps=4", "tune.epochs=0", "train.lr=1e-3", "train.precision=fp32",
+               "train.plot=false", "train.log_every=1", "train.eval_every=2", "train.tensorboard=false", *cfg]
+        if procs > 1:
+            port = str(20000 + (os.getpid() * 7 + random.randrange(1000)) % 20000)
+            cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, *cmd]
+        res = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[procs] = ({r["step"]: r["loss"] for r in rows if r["split"] == "train"},
+                       json.loads((out / "results.json").read_text())["dev"], read_weights(out / "model" / "model.safetensors"))
+    (curve1, dev1, w1), (curve2, dev2, w2) = runs[1], runs[2]
+    assert len(curve1) == 4 and list(curve2.values()) == pytest.approx(list(curve1.values()), abs=1e-5)
+    assert dev2 == pytest.approx(dev1, abs=1e-5)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        if k.endswith("attention.self.key.bias"):  # its gradient is 0 but for rounding (a key bias shifts a query's
+            continue  # every score alike), which AdamW's normalisation turns into lr-sized steps of either sign
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
