@@ -357,7 +357,8 @@ def test_finetune_under_torchrun_equals_one_process(folder, tmp_path, cfg):
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[procs] = ({r["step"]: r["loss"] for r in rows if r["split"] == "train"},
-                       json.loads((out / "results.json").read_text())["dev"], read_weights(out / "model" / "model.safetensors"))
+                       json.loads((out / "results.json").read_text())["dev"],
+                       read_weights(out / "model" / "model.safetensors"))
     (curve1, dev1, w1), (curve2, dev2, w2) = runs[1], runs[2]
     assert len(curve1) == 4 and list(curve2.values()) == pytest.approx(list(curve1.values()), abs=1e-5)
     assert dev2 == pytest.approx(dev1, abs=1e-5)
@@ -366,3 +367,22 @@ def test_finetune_under_torchrun_equals_one_process(folder, tmp_path, cfg):
         if k.endswith("attention.self.key.bias"):  # its gradient is 0 but for rounding (a key bias shifts a query's
             continue  # every score alike), which AdamW's normalisation turns into lr-sized steps of either sign
         torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_an_adapter_that_does_not_merge_stays_in_model(folder, tmp_path):
+    """--peft prefix adds computation rather than changing weights: model/ holds the adapter (pretune loads it), no
+    sentence-transformers files, and the run says why."""
+    from pretune.jobs.finetune import finetune, load_finetune_config
+
+    rows = [{"anchor": a, "positive": p} for a, p, _ in TRIPLETS]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=embedding", f"train.out={tmp_path / 'run'}",
+                                      f"data.train={tmp_path / 'train.jsonl'}", "peft.method=prefix",
+                                      "train.batch_size=5", "train.steps=1", "tune.epochs=0", "train.plot=false"])
+    lines = []
+    run = finetune(cfg, show_progress=False, log=lambda *a, **k: lines.append(" ".join(map(str, a)))).run_dir
+    assert (run / "model" / "pretune_adapter.json").is_file() and not (run / "model" / "modules.json").exists()
+    assert not (run / "adapter").exists()
+    assert any("model/ holds the adapter (pretune loads it), not a sentence-transformers folder" in x and "prefix" in x
+               for x in lines)
+    assert load_pretrained(run / "model").model is not None

@@ -144,6 +144,7 @@ class Embedding(Task):
     term = "embed"
     metrics = RETRIEVAL_METRICS + ("spearman",)
     default_metric = "ndcg@10"
+    folder_kind = "sentence-transformers"  # what the run's model/ is (write_model_files)
 
     def __init__(self, cfg: EmbeddingSettings, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)
@@ -253,7 +254,7 @@ class Embedding(Task):
     # -- model side -------------------------------------------------------------------------------------------
     def embed(self, model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(R, T) token rows -> (R, dim) fp32 sentence vectors (pooled; normalised when task.normalize)."""
-        h = self.model_layout.hidden_states(model, ids, mask).float()  # (R, T, dim)
+        h = self.model_layout.packed_hidden_states(model, ids, mask).float()  # (R, T, dim); texts end to end
         v = pool(h, mask, self.pooling)
         return F.normalize(v, dim=-1) if self.cfg.normalize else v
 

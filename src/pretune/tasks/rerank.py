@@ -81,6 +81,7 @@ class Rerank(Task):
     term = "rerank"
     metrics = ("ndcg@10", "mrr@10", "map")
     default_metric = "ndcg@10"
+    folder_kind = "CrossEncoder"  # what the run's model/ is (write_model_files)
 
     def __init__(self, cfg: RerankSettings, model_cfg, tokenizer):
         super().__init__(cfg, model_cfg, tokenizer)

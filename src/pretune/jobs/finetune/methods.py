@@ -182,7 +182,7 @@ class AdapterMethod:
         try:
             plain = peft.merged_model(model, "default")
         except peft.PeftError as e:
-            log(f"model/ holds the adapter, not a {task.name} library folder: {e}")
+            log(f"model/ holds the adapter (pretune loads it), not a {task.folder_kind} folder: {e}")
             return self.save(model, tok, model_dir, cfg, log)
         adapter_dir = model_dir.parent / "adapter"
         extra = self.save(model, tok, adapter_dir, cfg, log)
