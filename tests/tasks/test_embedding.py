@@ -318,6 +318,9 @@ def test_a_lora_run_writes_merged_weights_as_a_sentence_transformers_folder(fold
     torch.testing.assert_close(st_vectors, adapter, atol=1e-5, rtol=0)
     assert main(["embed", str(run / "model"), str(_lines(tmp_path, texts)), "--out", str(tmp_path / "e.npy")]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "e.npy"), adapter.numpy(), atol=1e-5)
+    from pretune.jobs.inference import load_finetuned
+
+    assert load_finetuned(run / "model") is not None  # pretune evaluate / predict read it with its task.json
 
 
 def _lines(tmp_path, texts):
