@@ -128,7 +128,7 @@ def _hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T, dim) last hidden states of the stack that reads the text, without running the LM head."""
     if getattr(model, "transformer", None) is None:  # not a TransformerLM: anything returning .last_hidden_state
         return model(ids, attention_mask=mask).last_hidden_state
-    return _layout(model).hidden_states(model, ids, mask)  # encoders (and T5's encoder), or the decoder
+    return _layout(model).packed_hidden_states(model, ids, mask)  # encoders (T5's encoder), or the decoder
 
 
 def embed_texts(model, tok: Tokenizer, texts: Sequence[str], *, pooling: str = "mean", normalize: bool = False,

@@ -226,10 +226,10 @@ class Transformer(nn.Module):
             self.decoder = Stack(cfg.decoder_config, causal=True, cross=cross, n_layers=n, shared=shared,
                                  token_types=not cross)  # segments belong to the input stack
 
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        """(B, S) token ids -> (B, S, dim) encoder hidden states."""
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, document_ids=None):
+        """(B, S) token ids -> (B, S, dim) encoder hidden states (document_ids: texts packed in a row, see Stack)."""
         return self.encoder(self.embed(input_ids), attention_mask=attention_mask,
-                            token_type_ids=token_type_ids, position_ids=position_ids)
+                            token_type_ids=token_type_ids, position_ids=position_ids, document_ids=document_ids)
 
     @property
     def input_stack(self) -> Stack:

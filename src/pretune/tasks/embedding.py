@@ -254,7 +254,7 @@ class Embedding(Task):
     # -- model side -------------------------------------------------------------------------------------------
     def embed(self, model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(R, T) token rows -> (R, dim) fp32 sentence vectors (pooled; normalised when task.normalize)."""
-        h = self.model_layout.hidden_states(model, ids, mask).float()  # (R, T, dim)
+        h = self.model_layout.packed_hidden_states(model, ids, mask).float()  # (R, T, dim); texts end to end
         v = pool(h, mask, self.pooling)
         return F.normalize(v, dim=-1) if self.cfg.normalize else v
 
