@@ -1,5 +1,6 @@
 """One training step of the embedding task through pretune's Trainer, for test_embedding.py's DDP test: imported
-there for the one-process side, and run as a script in each of two gloo processes:
+there for the one-process side and for :func:`run_rank`, which the test forks into two gloo processes (no second
+import of torch: a few seconds less), or run as a script in each of them:
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/tasks/embedding_ddp.py FOLDER CASES OUT
 
@@ -41,16 +42,29 @@ def trainer_step(folder, cfg: dict, records: list[dict], run_dir, dist=None) -> 
     return trainer.train_step()["loss"], grads
 
 
-if __name__ == "__main__":
+def run_rank(rank: int, world: int, port: int, folder, cases: dict, out) -> None:
+    """One process of the job: joins the gloo group of ``world`` processes (127.0.0.1:``port``), runs each case's
+    step and, as rank 0, saves {case: {"loss", "grads"}} to ``out``."""
+    import os
+
     from pretune.train.dist import init_distributed, shutdown
 
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    folder, cases_file, out = sys.argv[1:4]
     d = init_distributed()
     results = {}
-    for name, case in json.loads(open(cases_file).read()).items():
+    for name, case in cases.items():
         loss, grads = trainer_step(folder, case["cfg"], case["records"], f"{out}.{name}.{d.rank}", dist=d)
         results[name] = {"loss": loss, "grads": grads}
     if d.is_main:
         torch.save(results, out)
     shutdown(d)
+
+
+if __name__ == "__main__":
+    import os
+
+    folder, cases_file, out = sys.argv[1:4]
+    run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), folder,
+             json.loads(open(cases_file).read()), out)

@@ -249,26 +249,27 @@ def test_negatives_gathered_over_two_processes_equal_one_process(folder, tmp_pat
     batch: with task.gather_across_ranks (the default) the loss and every gradient the optimizer gets are equal (to
     fp32 rounding) for mnrl, CoSENT, and the cached (GradCache) form of symmetric Matryoshka mnrl (the trainer then
     averages the gradients itself); without it each process ranks its own half alone, and the loss differs."""
+    import multiprocessing
     import os
     import random
-    import subprocess
-    import sys
 
-    from embedding_ddp import __file__ as helper
-    from embedding_ddp import trainer_step
+    from embedding_ddp import run_rank, trainer_step
 
     pairs, scored = _ddp_batches()
     cases = {"mnrl": ({}, pairs), "cosent": ({}, scored), "per_rank": ({"gather_across_ranks": False}, pairs),
              "cached symmetric matryoshka": ({"mini_batch": 2, "symmetric": True, "matryoshka_dims": [32, 8]}, pairs)}
-    (tmp_path / "cases.json").write_text(json.dumps({k: {"cfg": c, "records": r} for k, (c, r) in cases.items()}))
-    port = str(20000 + (os.getpid() * 7 + random.randrange(1000)) % 20000)
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID",)}
-    env.update(OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    procs = [subprocess.Popen([sys.executable, helper, str(folder), str(tmp_path / "cases.json"),
-                               str(tmp_path / "out.pt")], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    port = 20000 + (os.getpid() * 7 + random.randrange(1000)) % 20000
+    spec = {k: {"cfg": c, "records": r} for k, (c, r) in cases.items()}
+    fork = multiprocessing.get_context("fork")  # the children have torch and pretune imported already
+    procs = [fork.Process(target=run_rank, args=(r, 2, port, folder, spec, tmp_path / "out.pt")) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    for p in procs:
+        if p.is_alive():  # a hung collective: end it rather than the suite
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     got = torch.load(tmp_path / "out.pt")
     for name, (cfg, records) in cases.items():
         loss, grads = trainer_step(folder, cfg, records, tmp_path / f"one_{name}")
