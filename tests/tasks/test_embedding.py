@@ -390,3 +390,31 @@ def test_an_adapter_that_does_not_merge_stays_in_model(folder, tmp_path):
     assert any("model/ holds the adapter (pretune loads it), not a sentence-transformers folder" in x and "prefix" in x
                for x in lines)
     assert load_pretrained(run / "model").model is not None
+
+
+def test_a_new_token_reaches_the_merged_sentence_transformers_folder(folder, tmp_path):
+    """task.add_tokens with --peft lora: the token's trained row is merged into model/'s table, and
+    SentenceTransformer reads the token as one id and embeds as pretune does."""
+    from sentence_transformers import SentenceTransformer
+
+    from pretune.jobs.finetune import finetune, load_finetune_config
+
+    rows = [{"anchor": "[Q] " + a, "positive": p} for a, p, _ in TRIPLETS]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    cfg = load_finetune_config(None, [f"model.init={folder}", "task.name=embedding", f"train.out={tmp_path / 'run'}",
+                                      f"data.train={tmp_path / 'train.jsonl'}", 'task.add_tokens=["[Q]"]',
+                                      "peft.method=lora", "train.batch_size=5", "train.steps=2", "tune.epochs=0",
+                                      "train.lr=5e-2", "train.plot=false"])
+    run = finetune(cfg, show_progress=False, log=lambda *a, **k: None).run_dir
+    texts = ["[Q] the cat sat on the mat", "[Q] a dog ran in the park"]
+    st_model = SentenceTransformer(str(run / "model"), device="cpu")
+    loaded = load_pretrained(run / "model")
+    q = loaded.tokenizer.token_to_id("[Q]")
+    assert q == loaded.model.config.vocab_size - 1 and [x[1] for x in st_model.tokenizer(texts)["input_ids"]] == [q, q]
+    start = load_pretrained(folder).model.transformer.embed.weight.mean(0)
+    assert not torch.allclose(loaded.model.transformer.embed.weight[q], start)  # the trained row, merged
+    task = build_task(TaskConfig(name="embedding"), loaded.model.config, loaded.tokenizer)
+    batch = task.collate([f for t in texts for f in task.encode(Record("x:1", {"anchor": t}), labelled=False)])
+    with torch.no_grad():
+        got = task.embed(loaded.model.eval(), batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(got, st_model.encode(texts, convert_to_tensor=True), atol=1e-5, rtol=0)
