@@ -103,11 +103,47 @@ def test_bad_base_dtypes_are_named():
 
 
 def test_nf4_dequantises_to_torchaos_values():
-    """NF4Linear's faster dequantisation (a code-byte table) gives torchao's get_original_weight bitwise."""
+    """NF4Linear's faster dequantisation (a code-byte table) gives torchao's get_original_weight bitwise; a weight that
+    is not a whole number of 64-weight blocks (a tiny model's 32 x 37) is padded with zeros, which change nothing."""
     from pretune.model.fast.quantized import NF4Linear
 
     layer = NF4Linear(torch.randn(96, 128, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(layer.dequantized(torch.bfloat16), layer.nf4.get_original_weight())
+    w = torch.randn(32, 37, generator=torch.Generator().manual_seed(1))
+    odd = NF4Linear(w)
+    flat = odd.nf4.get_original_weight()  # 1216 = 19 blocks: the 1184 weights, then zeros
+    assert flat.shape == (1216,) and not flat[1184:].any()
+    assert torch.equal(odd.dequantized(torch.bfloat16), flat[:1184].view(32, 37))
+    whole = NF4Linear(torch.cat([w.flatten(), torch.zeros(32)]).view(32, 38))  # the same blocks, zeros in the weight
+    assert torch.equal(odd.dequantized().flatten(), whole.dequantized().flatten()[:1184])
+    assert _rel(odd.dequantized(), w) < 0.15
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_qlora_base_computes_the_same_with_and_without_gradients(fmt, precision, tmp_path):
+    """A pass without gradients (a DPO reference pass with the adapters off, dev scoring) runs the quantised base as
+    the training pass does — through the dequantised weight, not int8's kernel with its bf16 activations (which gave
+    logits 6e-4 (fp32) / 4e-3 (bf16) away here) — so at B = 0 the policy equals its reference."""
+    base = _hf_base(tmp_path)
+    model = pretune.from_hf(base)
+    peft.inject(model, peft.PeftConfig(method="lora", r=4, alpha=8, targets=["all-linear"], base_dtype=fmt), seed=0)
+    x = _ids()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    bases = [m.base_layer for m in model.modules() if isinstance(m, peft.layers.PeftLinear)]
+    with ctx:
+        model.train()
+        policy = model(x).logits.float().detach()  # the adapters' outputs need gradients: the autograd path
+        with torch.no_grad():
+            peft.set_active(model, None)
+            model.eval()
+            reference = model(x).logits.float()
+            q = next(b for b in bases if b.joint is None)
+            xq = torch.randn(3, q.in_features, generator=torch.Generator().manual_seed(0))
+            alone = q(xq)
+        peft.set_active(model, "default")
+        assert torch.equal(alone, q(xq.requires_grad_()).detach())
+    assert (policy - reference).abs().max().item() < 1e-6
 
 
 @pytest.mark.slow

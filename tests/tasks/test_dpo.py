@@ -389,3 +389,62 @@ def test_a_run_starts_at_ln2_and_logs_and_scores_like_trl(peft_method, tiny, tmp
     assert results["test"]["loss"] != pytest.approx(math.log(2), abs=1e-7)  # the policy moved from its reference
     pred = json.loads((out / "test_predictions.jsonl").read_text().splitlines()[0])
     assert pred["gold"] == "chosen" and pred["preferred"] in ("chosen", "rejected")
+
+
+# ------------------------------------------------------------------------------ a quantised base (QLoRA, issue 36)
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_dpo_on_a_quantised_base_has_the_base_with_adapters_off_as_reference(fmt, tiny):
+    """peft.base_dtype=nf4 | int8: the reference is the quantised base with the adapter switched off — the policy's
+    own start, so the first loss is ln 2 — and stays that base, bit for bit, while the adapter trains. (The tiny
+    Llama's 32 x 37 down projection is not a whole number of NF4 blocks: padded.)"""
+    if fmt == "nf4":
+        pytest.importorskip("torchao")
+    from pretune import peft
+    from pretune.jobs.finetune.methods import AdapterMethod
+    from pretune.model import QuantizedLinear
+
+    model, tok = _load(tiny["ref"])
+    cfg = peft.PeftConfig(method="lora", r=4, alpha=8, targets=["all-linear"], base_dtype=fmt)
+    peft.inject(model, cfg, seed=0)
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 14
+    task = _dpo(model, tok)
+    task.reference_model = AdapterMethod(cfg).reference(model)
+    batch = _batch(task, STRING_PAIRS)
+    ref = task.reference_logps(model, batch)
+    loss, stats, _ = _our_step(task, model, batch)
+    assert loss == pytest.approx(math.log(2), abs=1e-6)
+    assert stats["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        opt.step()
+        loss, stats, _ = _our_step(task, model, batch)
+    assert loss < math.log(2) - 1e-3 and stats["rewards/margins"] > 0  # the policy moved away from its reference
+    assert torch.equal(task.reference_logps(model, batch), ref)  # ... which did not move
+    assert model.training and peft.peft_state(model).active == ["default"]  # the switch gave the adapter back
+
+
+@pytest.mark.parametrize("fmt", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])  # int8: ~5 s more
+def test_dpo_run_on_a_quantised_base(fmt, tiny, tmp_path):
+    """`pretune finetune --task dpo --peft lora peft.base_dtype=nf4` (and int8): starts at ln 2, trains, records the
+    base's storage, and saves an adapter that loads on the unquantised base it recorded."""
+    if fmt == "nf4":
+        pytest.importorskip("torchao")
+    import pretune
+    from pretune.cli import main
+    from pretune.model import QuantizedLinear
+
+    train = _write_pairs(tmp_path / "train.jsonl", 8)
+    out = tmp_path / "run"
+    argv = ["finetune", "--model", str(tiny["ref"]), "--task", "dpo", "--train", str(train), "--out", str(out),
+            "--batch-size", "4", "--quiet", "--lr", "1e-2", "--peft", "lora", f"peft.base_dtype={fmt}",
+            "train.plot=false", "train.tensorboard=false", "train.log_every=1", "tune.epochs=0", "train.steps=3",
+            "task.max_len=48"]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert train_rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert train_rows[-1]["loss"] < math.log(2)
+    results = json.loads((out / "results.json").read_text())
+    assert results["peft"]["base_dtype"] == fmt
+    plain = pretune.load(out / "model")  # the adapter on the fp32 base it recorded
+    assert not any(isinstance(m, QuantizedLinear) for m in plain.modules())

@@ -135,12 +135,14 @@ def cast_base(model, dtype: torch.dtype = torch.bfloat16) -> dict:
 def quantize_base(model, fmt: str) -> dict:
     """QLoRA: store the frozen linear layers of the body (attention and FFN projections with no parameter that trains,
     LoRA's base layers included) quantised, in place — ``nf4`` (torchao's NF4, blocks of 64) or ``int8`` (per output
-    channel): ``pretune.model.quantize(..., only_frozen=True)`` with the LM head left as it is. Each matmul
-    dequantises the weight (to the autocast dtype, or the input's) and the input's gradient is taken through it; the
-    adapters and everything that trains stay fp32. DoRA's magnitudes are set again from the quantised weights, so the
-    adapted model still starts equal to its (quantised) base. Returns {params: weights quantised, bytes_saved}."""
+    channel): ``pretune.model.quantize(..., only_frozen=True, kernels=False)`` with the LM head left as it is. Each
+    matmul, with or without gradients, dequantises the weight (to the autocast dtype, or the input's; so a DPO
+    reference pass with the adapters off computes the training pass's base exactly) and the input's gradient is
+    taken through it; the adapters and everything that trains stay fp32. DoRA's magnitudes are set again from the
+    quantised weights, so the adapted model still starts equal to its (quantised) base. Returns {params: weights
+    quantised, bytes_saved}."""
     before = {id(m): m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear}
-    quantize(model, fmt, head=None, only_frozen=True)
+    quantize(model, fmt, head=None, only_frozen=True, kernels=False)
     q = model.quantization
     fp_bytes = sum(b for m_id, b in before.items()
                    if m_id not in {id(m) for m in model.modules() if type(m) is nn.Linear})

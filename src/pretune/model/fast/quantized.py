@@ -11,13 +11,18 @@ speed-up left for an eager CPU step. The formats and their kernels (PyTorch's ow
   ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` / ``_weight_int4pack_mm_for_cpu``. 32 is the finest group
   the kernel takes (and llama.cpp's Q4_0/Q4_1 block): measured on SmolLM2 in BENCHMARKS.md.
 - ``nf4`` (training only: QLoRA's base): torchao's NF4 (``to_nf4``: 4-bit NormalFloat codes in blocks of 64, the
-  blocks' scales quantised again, Dettmers et al. 2023), dequantised for each matmul.
+  blocks' scales quantised again, Dettmers et al. 2023), dequantised for each matmul. A weight that is not a whole
+  number of blocks (a tiny model's) is padded with zeros to one (exact: a zero weight is NF4's code 0.0, and the
+  padding never raises a block's absmax).
 
 The kernels want shapes the CPU code was written for (int8: inputs a multiple of 16; int4: outputs a multiple of 16
 and whole groups): other shapes are padded with zero rows/columns when quantised (exact: zero weights add nothing).
 Outside autograd on a CPU every matmul (one token, a prompt) runs the kernel; one that needs gradients (QLoRA) or
-runs elsewhere dequantises the weight and runs ``F.linear``; no weight gradient is ever computed (the layer is frozen),
-the input's gradient is taken through the dequantised weight, recomputed in the backward rather than kept.
+runs elsewhere dequantises the weight and runs ``F.linear``. A QLoRA base (``quantize(..., kernels=False)``) always
+dequantises: a pass without gradients (a DPO reference pass with the adapters off, dev scoring) then computes what
+the training pass computes, bit for bit, not the kernel's bf16-activation rounding of it. No weight gradient is ever
+computed (the layer is frozen): the input's gradient is taken through the dequantised weight, recomputed in the
+backward rather than kept.
 
 Layers that read one input (q/k/v, an FFN's gate and up) are quantised as one stacked matrix, one kernel call for
 all of them (``FusedLinears`` and the flat decoding step use it); each projection keeps its own module, which
@@ -58,6 +63,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
         self._joint: list = []  # [stacked module, first row] for a member of a group (a list: not a submodule)
+        self.kernels = True  # the format's kernel outside autograd (decoding); False: always the dequantised weight
 
     @property
     def joint(self) -> tuple[QuantizedLinear, int] | None:
@@ -107,7 +113,8 @@ class QuantizedLinear(nn.Module):
             return _DequantizedLinear.apply(x.to(dtype), self, bias)
         rows = x.reshape(-1, x.shape[-1])  # (M, in)
         y = None
-        if x.is_cpu:  # the kernels, whatever the rows (faster than dequantising at 1, 32 and 512 rows: BENCHMARKS.md)
+        if x.is_cpu and self.kernels:  # the kernels, whatever the rows (faster than dequantising at 1, 32 and 512
+            # rows: BENCHMARKS.md); a QLoRA base has them off (module docstring)
             k_pad = self._in_padded - self.in_features
             y = self._kernel(F.pad(rows, (0, k_pad)) if k_pad else rows)
         if y is None:
@@ -233,8 +240,9 @@ class NF4Linear(QuantizedLinear):
         out_f, in_f = weight.shape
         super().__init__(in_f, out_f, bias)
         w = weight.detach().to(torch.bfloat16).contiguous()
-        if w.numel() % NF4_BLOCK:
-            raise ValueError(f"nf4: a {out_f}x{in_f} weight is not a whole number of {NF4_BLOCK}-weight blocks")
+        pad = _pad_to(w.numel(), NF4_BLOCK) - w.numel()
+        if pad:  # not whole blocks (a tiny model): flattened and padded with zeros (exact; see the module docstring)
+            w = F.pad(w.flatten(), (0, pad))
         blocks = w.numel() // NF4_BLOCK
         scaler_block = max(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % b == 0)  # torchao's default 256
         self.nf4 = to_nf4(w, NF4_BLOCK, scaler_block)  # a tensor subclass (a plain attribute: moved by _apply)
@@ -255,7 +263,8 @@ class NF4Linear(QuantizedLinear):
             self._pairs = torch.stack([t.nf4[byte >> 4], t.nf4[byte & 15]], dim=-1)  # (256, 2): (high, low) nibble
         scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
         w = self._pairs[t.quantized_data.long()].view(-1, t.block_size) * scalers[:, None]  # in bf16, as torchao
-        return w.view(self.out_features, self.in_features).to(dtype)
+        n = self.out_features * self.in_features  # (less any padding)
+        return w.view(-1)[:n].view(self.out_features, self.in_features).to(dtype)
 
     def __deepcopy__(self, memo):
         """A copy sharing the frozen NF4 codes (torchao's NF4Tensor re-quantises when deep-copied, with its default
@@ -331,15 +340,16 @@ def _quantizable(m: nn.Module | None, only_frozen: bool) -> bool:
 
 
 def _quantize_group(parent: nn.Module, names: tuple[str, ...], fmt: type[QuantizedLinear], only_frozen: bool,
-                    **kw) -> int:
+                    kernels: bool, **kw) -> int:
     """Quantise the linears ``names`` of ``parent`` as one stacked matrix (when they read one input, all frozen, all
-    with a bias or none), else each alone. Returns the weights quantised."""
+    with a bias or none), else each alone; ``kernels``: as :func:`quantize`. Returns the weights quantised."""
     bases = [_unwrap(getattr(parent, n)) for n in names]
     todo = [(n, b) for n, b in zip(names, bases) if _quantizable(b, only_frozen)]
     if len(todo) == len(names) > 1 and len({b.bias is None for b in bases}) == 1:
         weight = torch.cat([b.weight.detach() for b in bases])
         bias = torch.cat([b.bias.detach() for b in bases]) if bases[0].bias is not None else None
         joint = fmt(weight, bias, **kw)
+        joint.kernels = kernels
         start = 0
         for n, b in zip(names, bases):
             member = QuantizedLinear(b.in_features, b.out_features, None)
@@ -351,19 +361,23 @@ def _quantize_group(parent: nn.Module, names: tuple[str, ...], fmt: type[Quantiz
         return weight.numel()
     count = 0
     for n, b in todo:
-        _replace(parent, n, fmt(b.weight.detach(), None if b.bias is None else b.bias.detach(), **kw))
+        q = fmt(b.weight.detach(), None if b.bias is None else b.bias.detach(), **kw)
+        q.kernels = kernels
+        _replace(parent, n, q)
         count += b.weight.numel()
     return count
 
 
 def quantize(model: nn.Module, mode: str = "int8", *, head: str | None = "int8",
-             group: int = INT4_GROUP, only_frozen: bool = False) -> nn.Module:
+             group: int = INT4_GROUP, only_frozen: bool = False, kernels: bool = True) -> nn.Module:
     """Store the frozen linear weights of ``model``'s body in ``mode`` (``int8``, ``int4``; ``nf4`` for a QLoRA base),
     in place: every attention and FFN projection that is a plain ``nn.Linear`` with no trainable parameter, a PEFT
     wrapper's base layer included (LoRA adapters stay fp32 and unmerged on top). q/k/v, and an FFN's gate/up, become
     one stacked quantised matrix each. ``head``: ``int8`` (default), ``int4`` or None (fp32): how the LM head's
     weight is copied for the logits; a tied embedding keeps its fp32 table for the lookup. ``group``: int4's group size.
     ``only_frozen``: leave linears with a parameter that trains (a QLoRA base under ``bias=all``) as they are.
+    ``kernels``: run the format's kernel for matmuls outside autograd on a CPU (decoding: bf16 activations); False
+    (a QLoRA base): every matmul through the dequantised weight, the function training differentiates.
     Returns ``model``, with ``model.quantization`` = {mode, head (its format or None), weights (linear weights
     quantised), bytes (as stored)}."""
     if mode not in FORMATS:
@@ -387,11 +401,11 @@ def quantize(model: nn.Module, mode: str = "int8", *, head: str | None = "int8",
         done = set()
         for g in groups:
             if all(n in own for n in g):
-                count += _quantize_group(module, g, FORMATS[mode], only_frozen, **kw)
+                count += _quantize_group(module, g, FORMATS[mode], only_frozen, kernels, **kw)
                 done.update(g)
         for n in own:
             if n not in done:
-                count += _quantize_group(module, (n,), FORMATS[mode], only_frozen, **kw)
+                count += _quantize_group(module, (n,), FORMATS[mode], only_frozen, kernels, **kw)
     head_fmt = None
     h = getattr(model, "head", None)
     inner = getattr(h, "base", h)  # a RoutedHead (adapters' own task heads) wraps the model's head
