@@ -6,4 +6,5 @@ process, the sides alternating over several rounds (BENCHMARKS.md says how each 
     finetune  MiniLM on sms_spam vs transformers' Trainer
     peft      a LoRA step vs peft + transformers
     generate  greedy decoding vs transformers' generate
+    embed     sentence-embedding training (MNRL) and encoding of MiniLM vs sentence-transformers' fit and encode
 """

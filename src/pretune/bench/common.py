@@ -21,10 +21,11 @@ def spawn_worker(job, module: str) -> dict:
 
 
 
-def add_run_arguments(p, *, threads: str = "every core") -> None:
+def add_run_arguments(p, *, threads: str = "every core", default_threads: int = 0) -> None:
     """The flags every ``pretune bench`` subcommand has: --rounds, --threads, --json."""
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    p.add_argument("--threads", type=int, default=0, help=f"torch threads of every run (default 0: {threads})")
+    p.add_argument("--threads", type=int, default=default_threads,
+                   help=f"torch threads of every run (default {default_threads or f'0: {threads}'})")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 

@@ -101,6 +101,15 @@ def add_bench_parser(sub) -> None:
          "each run in its own process, alternating. Reports steps/s, peak RSS, their ratios and whether pretune is "
          ">= 2x faster at <= 0.8x the memory, the tokens each side generated and read (checked equal) and the share "
          "of each step spent sampling."),
+        ("embed", "MiniLM sentence-embedding training pairs/s and peak memory vs sentence-transformers' fit; encode "
+         "texts/s",
+         "all-MiniLM-L6-v2 trained with MultipleNegativesRankingLoss (scale 20) on pairs from the bundled WordNet "
+         "glosses (definition -> usage example), batch 32, max_len 128, AdamW lr 5e-5, fp32 (--dtypes fp32 bf16 for "
+         "a bf16 autocast row too): pretune finetune --task embedding's Trainer step against SentenceTransformer + "
+         "SentenceTransformerTrainer; and the same texts embedded by pretune embed's embed_texts against "
+         "SentenceTransformer.encode (fp32, normalised, 32 a forward); 2 threads, each run in its own process, "
+         "alternating. Reports pairs/s, peak RSS and whether pretune is >= 1.5x faster at <= 0.8x the memory, and "
+         "texts/s against a >= 1.5x target."),
         ("serve", "pretune serve vs transformers serve: 1, 4, 16 streaming clients' tokens/s and time to first token",
          "Starts pretune serve and transformers serve (each its own process, alternating, --rounds rounds) on "
          "SmolLM2-135M-Instruct (fp32, CPU) and runs 1, 4 and 16 concurrent clients, each streaming greedy "
