@@ -181,9 +181,13 @@ class Trainer:
                 self.scaler = ShardedGradScaler(d.device.type)
             else:
                 self.scaler = torch.amp.GradScaler(d.device.type)
+        # on a CPU, torch's AdamW defaults to a loop over the parameters, several passes each with temporaries the
+        # size of the largest (MiniLM: 92 ms a step and ~90 MB more peak memory, against 15 ms for the fused kernel,
+        # one pass; AMD EPYC, 1 thread); the fused kernel is the same update (what transformers' Trainer uses too)
+        fused = (d.device.type == "cpu" and not cfg.amsgrad and not self.sharded and self.precision != "fp16") or None
         self.optimizer = build_optimizer([model, objective], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad,
-                                         param_lr=param_lr)
+                                         param_lr=param_lr, fused=fused)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, warmup_steps=cfg.warmup_steps,
                                          total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         if cfg.compile:
