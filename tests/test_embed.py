@@ -78,6 +78,35 @@ def test_mean_pooling_matches_transformers(minilm, minilm_path):
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-5)
 
 
+def test_streams_embed_the_same_vectors_and_put_the_threads_back(minilm, monkeypatch):
+    """streams=3: batches on three threads at once (one torch thread each) give the vectors one batch at a time does,
+    in input order, and torch's thread count is what it was, after a failing batch too."""
+    from pretune.jobs import embed
+
+    model, tok = minilm
+    texts = SENTENCES * 3  # 15 texts, batches of 2: 8 batches
+    threads = torch.get_num_threads()
+    one = embed_texts(model, tok, texts, batch_size=2)
+    three = embed_texts(model, tok, texts, batch_size=2, streams=3)
+    np.testing.assert_allclose(three, one, atol=1e-6, rtol=0)
+    assert torch.get_num_threads() == threads
+    with pytest.raises(ConfigError, match="streams"):
+        embed_texts(model, tok, texts, streams=0)
+    hidden, calls = embed._hidden, []
+
+    def failing(*args):  # the fourth batch fails, on a stream
+        calls.append(torch.get_num_threads())
+        if len(calls) == 4:
+            raise RuntimeError("batch 4")
+        return hidden(*args)
+
+    monkeypatch.setattr(embed, "_hidden", failing)
+    with pytest.raises(RuntimeError, match="batch 4"):
+        embed_texts(model, tok, texts, batch_size=2, streams=3)
+    assert calls[0] == threads and set(calls[1:]) == {1}  # the first batch on every thread, the rest on one each
+    assert torch.get_num_threads() == threads
+
+
 def test_paraphrase_ranks_above_unrelated(minilm):
     model, tok = minilm
     emb = embed_texts(model, tok, [GUITAR, PARAPHRASE, UNRELATED])

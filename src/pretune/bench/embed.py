@@ -20,10 +20,12 @@ at norm 1), at the same precision (fp32, or bf16 = fp32 weights under CPU autoca
   trainer's consecutive step ends (data loading, tokenisation and callbacks included: what a user of the trainer
   waits for).
 
-Encoding (``--encode-batch`` texts a forward, 32): ``pretune.jobs.embed.embed_texts`` (the Python path of
-``pretune embed``: mean pooling, normalised) against ``SentenceTransformer.encode(normalize_embeddings=True)`` on the
-same texts, fp32; each times ``--passes`` whole passes over the texts after one untimed pass and reports the median.
-Each also returns its first vectors, so the table says how far apart the two sides' embeddings are.
+Encoding (``--batch`` texts a forward, 32): ``pretune.jobs.embed.embed_texts`` as ``pretune embed`` runs it (mean
+pooling, normalised, texts sorted by length, a batch's texts packed end to end where that saves positions, one batch
+per torch thread at once: ``streams``) against ``SentenceTransformer.encode(normalize_embeddings=True)`` (its batches
+one after the other on every thread) on the same texts, fp32, the same torch threads; each times ``--passes`` whole
+passes over the texts after one untimed pass and reports the median. Each also returns some of its vectors, so the
+table says how far apart the two sides' embeddings are.
 
 Each measurement runs in its own process, the sides alternate (the order reversed every other round), warmup steps
 are untimed; step time and encode time are medians; pairs/s = batch / step time, texts/s = texts / pass time; peak
@@ -250,12 +252,15 @@ def _timed_passes(job: Job, encode) -> dict:
 
 
 def _pretune_encode(job: Job, folder) -> dict:
+    import torch
+
     from ..jobs.embed import embed_texts, load_encoder
 
     texts = [r["text"] for r in _read_jsonl(job.data_file)]
     model, tok = load_encoder(folder)
+    streams = torch.get_num_threads()  # what pretune embed runs: a batch per thread at once
     return _timed_passes(job, lambda: embed_texts(model, tok, texts, pooling="mean", normalize=True,
-                                                  batch_size=job.batch, max_len=job.max_len))
+                                                  batch_size=job.batch, max_len=job.max_len, streams=streams))
 
 
 def _st_encode(job: Job, folder) -> dict:

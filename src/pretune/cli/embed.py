@@ -89,8 +89,12 @@ def cmd_embed(args) -> int:
     max_len = args.max_len or (st.max_seq_length if st else None)
     unique = list(dict.fromkeys(texts if pairs is None else [t for p in pairs for t in p]))
     show = not args.quiet and len(unique) >= _PROGRESS_MIN
+    if args.streams < 0:
+        raise ConfigError(f"--streams must be >= 0 (0: one per torch thread), got {args.streams}")
+    import torch
+
     emb = embed_texts(model, tok, unique, pooling=pooling, normalize=normalize, batch_size=args.batch_size,
-                      max_len=max_len, show_progress=show)
+                      max_len=max_len, show_progress=show, streams=args.streams or torch.get_num_threads())
     how = f"{pooling} pooling" + (", normalized" if normalize else "")
 
     if not args.similarity:
@@ -164,6 +168,9 @@ def add_embed_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--normalize", action="store_true", help="scale every embedding to unit length (a "
                    "sentence-transformers folder with a Normalize module: always)")
     s.add_argument("--batch-size", type=int, default=32, metavar="N", help="texts per forward pass (default 32)")
+    s.add_argument("--streams", type=int, default=0, metavar="N",
+                   help="CPU: batches embedded at once, one thread each (default 0: one per torch thread; 1: one "
+                        "batch at a time on every thread)")
     s.add_argument("--max-len", type=int, metavar="N",
                    help="most tokens per text, special tokens included (default: the model's maximum)")
     s.add_argument("--field", default="text", metavar="NAME",
