@@ -146,6 +146,8 @@ class Layout:
             return rows * width * (1.0 + width * pair)
 
         best_cost, rows, L = cost(R, T), None, T
+        if sum(lengths) * (1.0 + longest * pair) >= best_cost:  # the least any packing costs (rows no padding, no
+            return self.hidden_states(model, ids, mask)  # narrower than the longest text): the padded rows win
         for width in sorted({w for w in (longest, 2 * longest, 4 * longest, *PACK_WIDTHS)
                              if longest <= w <= max(longest, self.cfg.max_positions)}):
             plan = pack_texts(lengths, width)
