@@ -103,7 +103,7 @@ def test_streams_embed_the_same_vectors_and_put_the_threads_back(minilm, monkeyp
     monkeypatch.setattr(embed, "_hidden", failing)
     with pytest.raises(RuntimeError, match="batch 4"):
         embed_texts(model, tok, texts, batch_size=2, streams=3)
-    assert calls[0] == threads and set(calls[1:]) == {1}  # the first batch on every thread, the rest on one each
+    assert calls[0] == threads and set(calls[1:]) == {1}  # the shortest batch on every thread, the rest on one each
     assert torch.get_num_threads() == threads
 
 

@@ -151,10 +151,11 @@ def embed_texts(model, tok: Tokenizer, texts: Sequence[str], *, pooling: str = "
         max_len: most tokens per text, special tokens included (default: what the model's positions allow).
         show_progress: a progress bar (stderr; `pretune.io.progress`).
         streams: on a CPU, batches embedded at once, each on one thread (torch's thread count is set to 1 while they
-            run, then put back): two batches on one thread each outrun one batch on two threads (MiniLM, 2 cores:
-            ~16 % more texts/s), as a batch's small matrix products share two threads poorly. It sets torch's
-            thread count for the whole process, so only a process doing nothing else asks for it (``pretune
-            embed``: one per thread); 1 (the default): one batch after the other on every thread.
+            run, then put back; the batch of the shortest texts runs first, alone on every thread): two batches on
+            one thread each outrun one batch on two threads (MiniLM, 2 cores: ~16 % more texts/s), as a batch's
+            small matrix products share two threads poorly. It sets torch's thread count for the whole process, so
+            only a process doing nothing else asks for it (``pretune embed``: one per thread); 1 (the default): one
+            batch after the other on every thread.
 
     Returns:
         ``(len(texts), dim)`` float32 array.
@@ -243,17 +244,17 @@ def embed_texts(model, tok: Tokenizer, texts: Sequence[str], *, pooling: str = "
                 bar.update(len(rows))
 
     try:
-        # the first batch alone, on every thread: what the model builds on its first call (stacked weights) is built
-        # once, before several threads read it
-        collect(batches[:1], map(embed_batch, batches[:1]))
+        # the last batch (the shortest texts) alone, on every thread: what the model builds on its first call
+        # (stacked weights) is built once, before several threads read it
+        collect(batches[-1:], map(embed_batch, batches[-1:]))
         if streams > 1:
             from concurrent.futures import ThreadPoolExecutor
 
             torch.set_num_threads(1)
             with ThreadPoolExecutor(streams, thread_name_prefix="pretune-embed") as pool:
-                collect(batches[1:], pool.map(embed_batch, batches[1:]))
+                collect(batches[:-1], pool.map(embed_batch, batches[:-1]))
         else:
-            collect(batches[1:], map(embed_batch, batches[1:]))
+            collect(batches[:-1], map(embed_batch, batches[:-1]))
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
