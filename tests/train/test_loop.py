@@ -49,6 +49,20 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path, small_corpus, toke
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
 
 
+def test_a_step_bumps_the_versions_of_the_weights_it_writes(tmp_path, small_corpus, tokenizers_by_kind):
+    """On a CPU the Trainer's AdamW is the fused kernel, which writes the parameters without bumping their version
+    counters; caches keyed on them (the fast wing's LM head cast to bf16 once, stacked weights for sampling) would
+    keep the weights of before the step (a GRPO run resumed from a checkpoint then sampled other completions than the
+    unbroken run), so the step bumps them itself."""
+    trainer, model = _trainer(_cfg(tmp_path, tokenizers_by_kind["wordpiece"], small_corpus, "run",
+                                   "train.precision=fp32", "train.warmup_steps=0"))
+    assert trainer.optimizer.defaults["fused"]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    before = [p._version for p in trained]
+    trainer.train_step()
+    assert all(p._version > v for p, v in zip(trained, before))
+
+
 def test_resume_is_bitwise_identical(tmp_path, small_corpus, tokenizers_by_kind, monkeypatch):
     tok = tokenizers_by_kind["wordpiece"]
     # dropout on: the restored RNG state matters too
