@@ -83,6 +83,7 @@ def test_both_sides_embed_the_same_vectors(tmp_path):
     assert all(r["encode_s"] > 0 and r["peak_rss_mb"] > 0 for r in res.values())
 
 
+@pytest.mark.slow  # ~2-5 s: two trainers built (make test-slow)
 def test_both_sides_train_a_step_and_pretune_reads_fewer_positions(tmp_path):
     pytest.importorskip("sentence_transformers")
     minilm()
