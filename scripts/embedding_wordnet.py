@@ -25,18 +25,11 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tasks" / "word
 
 
 def pairs(split: str) -> list[dict]:
-    """(definition, first usage example) of every distinct 'defines' gloss of a split that has an example."""
-    out, seen = [], set()
-    for line in (DATA / f"{split}.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["label"] != "defines" or '; "' not in rec["text_b"] or rec["text_b"] in seen:
-            continue
-        seen.add(rec["text_b"])
-        definition, rest = rec["text_b"].split('; "', 1)
-        example = re.match(r'([^"]+)"', rest)
-        if example and len(example.group(1).split()) >= 3 and len(definition.split()) >= 3:
-            out.append({"anchor": definition.strip(), "positive": example.group(1).strip()})
-    return out
+    """(definition, first usage example) of every distinct 'defines' gloss of a split that has an example (the rule
+    `pretune bench embed` uses on the bundled prefix)."""
+    from pretune.bench.embed import gloss_pairs
+
+    return gloss_pairs((DATA / f"{split}.jsonl").read_text(encoding="utf-8"))
 
 
 def bm25_metrics(records: list[dict]) -> dict:

@@ -79,8 +79,13 @@ def wordnet_pairs(split: str) -> list[dict]:
     wordnet_defines ``split`` that has an example (both at least 3 words): scripts/embedding_wordnet.py's rule."""
     from .. import bundled
 
+    return gloss_pairs(bundled.path(f"tasks/wordnet_defines/{split}.jsonl").read_text(encoding="utf-8"))
+
+
+def gloss_pairs(jsonl: str) -> list[dict]:
+    """The pairs of one wordnet_defines split's JSONL text (the bundled prefix or the whole set in ../shared/data)."""
     out, seen = [], set()
-    for line in bundled.path(f"tasks/wordnet_defines/{split}.jsonl").read_text(encoding="utf-8").splitlines():
+    for line in jsonl.splitlines():
         rec = json.loads(line)
         if rec["label"] != "defines" or '; "' not in rec["text_b"] or rec["text_b"] in seen:
             continue
