@@ -245,7 +245,8 @@ def test_a_killed_bf16_base_run_resumes_bit_for_bit(setup, tmp_path):
     _same_adapter(tmp_path / "killed", tmp_path / "ref")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# FSDP (28 s) runs under make test-slow: the default suite keeps DDP here and FSDP + LoRA in train/test_parallel.py
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_processes_with_a_bf16_base_equal_the_fp32_base_run(setup, tmp_path, parallel):
     """DDP (its start broadcasts the bf16 weights with the rest) and FSDP2 (bf16 shards of the frozen weights next to
     fp32 ones of the adapters; gathered in bf16 for compute as fp32 ones are): the run equals the fp32-base run bit

@@ -87,8 +87,8 @@ def test_grpo_raises_a_reward_and_logs_trls_metrics_in_order(tiny, workdir, toke
 @pytest.mark.parametrize("extra, kill_after", [
     ([], 3),
     # two steps a rollout, killed after step 4: the newest checkpoint (step 3) holds step 3's rollout, which step 4
-    # trains on again
-    (["task.num_iterations=2"], 4),
+    # trains on again (10 s: make test-slow, to keep the default suite within its budget)
+    pytest.param(["task.num_iterations=2"], 4, marks=pytest.mark.slow),
 ])
 def test_same_seed_same_weights_and_a_killed_run_resumes_bitwise(tiny, workdir, extra, kill_after):
     """A run SIGKILLed mid-way and resumed samples the same completions (the same rewards at every step) and

@@ -103,7 +103,8 @@ def test_sigkills_then_resume_equal_an_uninterrupted_fsdp_run_bitwise(tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+# 2 -> 1 (15 s) runs under make test-slow; the default suite keeps 1 -> 2 (the same resharding code, read the other way)
+@pytest.mark.parametrize("before,after", [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
 def test_resume_with_another_number_of_processes_continues_the_curve(tmp_path, pretrain_args, before, after):
     full = tmp_path / "full"
     _run(pretrain_args(full, "train.parallel=fsdp"), procs=2)
@@ -196,6 +197,7 @@ def test_cpu_offload_needs_fsdp_and_a_gpu():
         load_run_config(overrides=["train.cpu_offload=true"])
 
 
+@pytest.mark.slow  # 12 s (make test-slow), to keep the default suite within its budget
 def test_fp16_under_fsdp_skips_a_step_that_overflows_in_one_process_only(tmp_path, pretrain_args):
     """The overflow is in one element of process 0's gradient shard: both processes must skip that step (the loss
     scaler agrees over the processes), which leaves the same weights as an overflow in every process."""
@@ -284,7 +286,8 @@ def _two_equal_one_and_resume(tmp_path, args, *, weights="model.safetensors", fi
     return one, two
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# DDP (17 s) runs under make test-slow; the default suite keeps FSDP (the sharded reference and resume)
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_dpo_on_two_processes_equals_one_and_resumes_bitwise(tmp_path, preference_args, parallel):
     """Preference tuning under DDP and FSDP (issue 33): a tiny GPT-2 from scratch, full finetuning (the reference a
     frozen copy of the starting weights), sigmoid DPO on string pairs — two processes give one process's losses,
