@@ -288,8 +288,10 @@ def pair_records(sentences: list[str], n: int, seed: int = 0) -> list[dict]:
 
 # Chance: 0.5 (balanced); text_b lost: 0.5; the label map reordered between training and prediction: < 0.1.
 # Observed: BERT 0.95-0.97, GPT-2 0.90-0.96 for seeds 0-4 (with 3 epochs, BERT stayed on its initial plateau
-# at 0.5 for one seed in five).
-PAIR_MIN_ACCURACY = 0.75
+# at 0.5 for one seed in five). The session's WordPiece tokenizer is not the same from run to run (the tokenizers
+# library's WordPiece trainer breaks count ties in hash-map order: huggingface/tokenizers#1794), so BERT's score at
+# seed 0 varies too: 0.86-0.955 over eight runs alone, 0.745 once inside the suite (2026-11-29); BPE is stable.
+PAIR_MIN_ACCURACY = 0.70
 
 
 @pytest.mark.parametrize("style", ["gpt", "bert"])
