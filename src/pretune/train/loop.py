@@ -184,7 +184,7 @@ class Trainer:
         # on a CPU, torch's AdamW defaults to a loop over the parameters, several passes each with temporaries the
         # size of the largest (MiniLM: 92 ms a step and ~90 MB more peak memory, against 15 ms for the fused kernel,
         # one pass; AMD EPYC, 1 thread); the fused kernel is the same update (what transformers' Trainer uses too;
-        # train_step bumps the parameters' versions after it, which the kernel does not)
+        # build_optimizer bumps the parameters' versions after it, which the kernel does not)
         fused = (d.device.type == "cpu" and not cfg.amsgrad and not self.sharded and self.precision != "fp16") or None
         self.optimizer = build_optimizer([model, objective], lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, amsgrad=cfg.amsgrad,
@@ -338,11 +338,6 @@ class Trainer:
             skipped = self.scaler.get_scale() < scale
         else:
             self.optimizer.step()
-            if self.optimizer.defaults.get("fused"):
-                # the fused kernel writes the parameters without bumping their version counters, which the fast
-                # wing's caches read to see a change (the LM head cast to bf16 once, stacked weights for sampling)
-                torch.autograd.graph.increment_version(
-                    [p for group in self.optimizer.param_groups for p in group["params"]])
         if not skipped:  # a skipped step leaves the schedule where it was, as it leaves the weights
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

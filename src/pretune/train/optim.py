@@ -149,7 +149,16 @@ def build_optimizer(
         if fused:
             raise ValueError("fused=True is not available with amsgrad=True (the seeds' AMSGrad runs a plain loop)")
         return SeedsAMSGradAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+    if fused:
+        optimizer.register_step_post_hook(_bump_versions)
+    return optimizer
+
+
+def _bump_versions(optimizer, args, kwargs) -> None:
+    """After a fused step: the fused kernel writes the parameters without bumping their version counters, which the
+    fast wing's caches read to see a change (the LM head cast to bf16 once, stacked weights for sampling)."""
+    torch.autograd.graph.increment_version([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _split_by_lr(groups: list[dict], param_lr: dict[int, float]) -> list[dict]:
